@@ -1,0 +1,176 @@
+"""Loss and metrics (SPEC section 5) over the rows of each step, read from one table.
+
+Legend: N rows of one step, U teacher positions, Vd draft vocab, k TTT length.
+Row ``i`` of a step is taught by table row ``table_rows[i]``.
+
+Per step, ``step_terms`` returns *sums* (loss, counts, acceptance); ``objective``
+divides once by the global counts, so the same code serves one rank and many
+(reduce the sums across ranks first). ``impl`` selects the implementation of the
+soft cross-entropy; ``"torch"`` is the readable reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from eagle3fn.shapes import Objective, StepTerms, TeacherTable
+
+Impl = Literal["torch"]
+Normalization = Literal["local_mean", "token_mean"]
+ObjectiveKind = Literal["kl", "alpha", "lambda"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class LossConfig:
+    """How per-step sums become the TTT objective."""
+
+    step_weight_decay: float = 0.8
+    """Step j is weighted ``step_weight_decay ** j`` in the objective."""
+    normalization: Normalization = "local_mean"
+    """``local_mean``: divide step losses by ``B*C`` summed over ranks (every row,
+    padded ones included; SpecForge/EAGLE). ``token_mean``: divide by the number of
+    gated rows of the step, summed over ranks."""
+    objective: ObjectiveKind = "kl"
+    """``kl``: soft cross-entropy. ``alpha``: LK ``-mean_gated log a``. ``lambda``: LK
+    ``w*kl + (1-w)*(1-accept)`` with ``w = kl_scale*exp(-kl_decay*accept)``."""
+    kl_scale: float = 1.0
+    """LK lambda: scale of the KL weight."""
+    kl_decay: float = 1.0
+    """LK lambda: decay of the KL weight with the (detached) acceptance."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in ("local_mean", "token_mean"):
+            raise ValueError(
+                f"normalization must be 'local_mean' or 'token_mean', got {self.normalization!r}"
+            )
+        if self.objective not in ("kl", "alpha", "lambda"):
+            raise ValueError(f"objective must be 'kl', 'alpha' or 'lambda', got {self.objective!r}")
+        if self.step_weight_decay <= 0:
+            raise ValueError(f"step_weight_decay must be > 0, got {self.step_weight_decay}")
+
+
+def _math(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_rows(logits_NV: torch.Tensor, table: TeacherTable, table_rows_N: torch.Tensor) -> None:
+    if logits_NV.dim() != 2 or table_rows_N.shape != logits_NV.shape[:1]:
+        raise ValueError(
+            f"logits must be [N, Vd] with table_rows [N], got {tuple(logits_NV.shape)} "
+            f"and {tuple(table_rows_N.shape)}"
+        )
+    if logits_NV.shape[1] != table.probs.shape[1]:
+        raise ValueError(
+            f"logits have {logits_NV.shape[1]} draft-vocab columns but the teacher table "
+            f"has {table.probs.shape[1]}; the draft's lm_head and t2d disagree"
+        )
+
+
+def soft_cross_entropy(
+    logits_NV: torch.Tensor,
+    table: TeacherTable,
+    table_rows_N: torch.Tensor,
+    *,
+    impl: Impl = "torch",
+) -> torch.Tensor:
+    """Gated soft cross-entropy **summed** over rows (0-d, differentiable in logits).
+
+    ``sum_i gate[t_i] * -sum_v probs[t_i, v] * log_softmax(logits[i])[v]`` with
+    ``t_i = table_rows[i]``; fp32 math (fp64 for fp64 logits). N = 0 gives 0.
+
+    Args:
+        logits_NV: ``[N, Vd]`` draft logits of the step's rows.
+        table: the batch's TeacherTable (``probs [U, Vd]``, ``gate [U]``).
+        table_rows_N: int64 ``[N]``, indices into the table.
+        impl: ``"torch"`` (reference).
+    """
+    _check_rows(logits_NV, table, table_rows_N)
+    if impl != "torch":
+        raise ValueError(f"impl must be 'torch', got {impl!r}")
+    logp = F.log_softmax(_math(logits_NV), dim=-1)
+    per_row = -(table.probs[table_rows_N] * logp).sum(dim=-1)
+    return torch.where(table.gate[table_rows_N], per_row, 0.0).sum()
+
+
+def step_terms(
+    logits_NV: torch.Tensor,
+    table: TeacherTable,
+    table_rows_N: torch.Tensor,
+    d2t: torch.Tensor,
+    *,
+    impl: Impl = "torch",
+    accept_grad: bool = False,
+) -> StepTerms:
+    """Loss sum and metric counts of one step's rows (see ``StepTerms``).
+
+    Args:
+        logits_NV, table, table_rows_N, impl: as ``soft_cross_entropy``.
+        d2t: int64 ``[Vd]``, draft id ``i`` -> target id ``i + d2t[i]``.
+        accept_grad: keep the graph of the acceptance sums (needed by the LK objectives).
+    """
+    loss_sum = soft_cross_entropy(logits_NV, table, table_rows_N, impl=impl)
+    gate = table.gate[table_rows_N]
+    with torch.no_grad():
+        pred = logits_NV.argmax(dim=-1)
+        correct = (pred + d2t[pred] == table.target_token[table_rows_N]).sum()
+    with torch.set_grad_enabled(accept_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(_math(logits_NV), dim=-1)
+        accept = torch.minimum(table.probs_on_draft[table_rows_N], probs).sum(dim=-1)
+        accept = torch.where(gate, accept, 0.0)
+        # log(1) = 0 stands in for log 0 and for ungated rows (finite gradients).
+        log_accept = torch.log(torch.where(gate & (accept > 0), accept, 1.0))
+    return StepTerms(
+        loss_sum=loss_sum,
+        correct=correct,
+        rows=torch.tensor(logits_NV.shape[0], device=logits_NV.device),
+        gated=gate.sum(),
+        accept_sum=accept.sum(),
+        log_accept_sum=log_accept.sum(),
+    )
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` with ``0 / 0 = 0`` (a dead step contributes nothing)."""
+    return num / den.clamp_min(1).to(num.dtype)
+
+
+def objective(terms: Sequence[StepTerms], denominator: int | torch.Tensor,
+              config: LossConfig = LossConfig()) -> Objective:
+    """Combine per-step sums into the objective and metrics (SPEC section 5).
+
+    Args:
+        terms: k StepTerms, already summed over ranks when data/sequence parallel.
+        denominator: ``B*C`` summed over ranks (``RowMap.denominator`` on one rank);
+            used by ``local_mean``.
+        config: step weights, normalisation and objective kind.
+    """
+    stack = lambda name: torch.stack([getattr(t, name) for t in terms])  # noqa: E731
+    loss_sum, gated = stack("loss_sum"), stack("gated")
+    if config.normalization == "local_mean":
+        kl = loss_sum / torch.as_tensor(denominator, device=loss_sum.device).to(loss_sum.dtype)
+    else:
+        kl = _ratio(loss_sum, gated)
+    acc = _ratio(stack("correct").to(loss_sum.dtype), stack("rows"))
+    accept = _ratio(stack("accept_sum"), gated)
+    if config.objective == "kl":
+        step_loss = kl
+    elif config.objective == "alpha":
+        step_loss = -_ratio(stack("log_accept_sum"), gated)
+    else:
+        w = config.kl_scale * torch.exp(-config.kl_decay * accept.detach())
+        step_loss = w * kl + (1 - w) * (1 - accept)
+    weights = config.step_weight_decay ** torch.arange(
+        len(terms), dtype=loss_sum.dtype, device=loss_sum.device
+    )
+    return Objective(
+        objective=(weights * step_loss).sum(),
+        step_loss=step_loss,
+        kl_loss=kl,
+        acc=acc,
+        accept=accept,
+        tau=1 + torch.cumprod(acc, dim=0).sum(),
+    )

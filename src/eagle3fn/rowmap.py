@@ -1,0 +1,92 @@
+"""Row maps (SPEC section 6): which rows each TTT step computes, index maths only.
+
+Legend: B batch, T local buffer length, C own rows per sample (``C <= T``; ``C = T``
+on one rank, ``T = C + k`` under sequence parallelism), k TTT length, U teacher
+positions. Flat draft rows ``b*C + p``; flat teacher positions ``b*T + s``.
+
+Row ``p`` at step ``j`` is taught by position ``s = p + j``, so a supervised
+position ``s`` emits row ``s - j`` at step ``j``: the rows shift down by one per step
+while the teacher positions stay put. Tail positions ``s >= C`` teach own rows at
+deeper steps but never emit rows (``s - j < C``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagle3fn.shapes import RowMap
+
+
+def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int) -> torch.Tensor:
+    """``win[j, b, p] = mask[b, p + j]`` (False past T): bool ``[k, B, C]``."""
+    padded = F.pad(mask_BT, (0, ttt_length))
+    return torch.stack([padded[:, j : j + num_rows] for j in range(ttt_length)])
+
+
+def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None) -> RowMap:
+    """Build the row map of a batch from its supervised-position mask.
+
+    Args:
+        mask: bool ``[B, T]``, ``mask[b, s] = s in sup_b`` (see ``align.supervised_mask``).
+        ttt_length: k >= 1, the number of TTT steps.
+        num_rows: C, own rows per sample (default T). Positions ``s >= C`` are a
+            sequence-parallel overlap tail: they teach, they never emit rows.
+
+    Returns:
+        RowMap with ``rows[j] = sorted{b*C + s - j : mask[b,s], j <= s, s - j < C}``,
+        ``teacher_positions`` = sorted flat ``b*T + s`` reached by some step,
+        ``table_rows[j]`` aligned with ``rows[j]``, ``backbone_rows``,
+        ``denominator = B*C`` and ``dead_steps``. All tensors live on ``mask.device``.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        dtype = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"mask must be a bool tensor [B, T], got {dtype}; pass mask.bool() "
+            "(e.g. from align.supervised_mask)"
+        )
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    if not isinstance(ttt_length, int) or ttt_length < 1:
+        raise ValueError(f"ttt_length must be an int >= 1, got {ttt_length!r}")
+    B, T = mask.shape
+    C = T if num_rows is None else num_rows
+    if not isinstance(C, int) or C < 0 or C > T:
+        raise ValueError(
+            f"num_rows must be an int in [0, T={T}] (own rows cannot exceed the buffer "
+            f"length), got {num_rows!r}"
+        )
+    k = ttt_length
+    device = mask.device
+
+    win_kBC = _step_windows(mask, k, C)
+    rows = tuple(w.flatten().nonzero().flatten() for w in win_kBC)
+
+    # A supervised s is reached iff some j < k has j <= s and s - j < C.
+    pos_T = torch.arange(T, device=device)
+    reached_BT = mask & ((pos_T - (k - 1)).clamp_min(0) < C)[None, :]
+    teacher_positions = reached_BT.flatten().nonzero().flatten()
+    table_index_BT = torch.cumsum(reached_BT.flatten(), dim=0) - 1
+
+    # Row b*C + p at step j is taught by flat position b*T + p + j (max(C, 1): with
+    # C = 0 there are no rows to divide).
+    table_rows = tuple(
+        table_index_BT[r + (r // max(C, 1)) * (T - C) + j] for j, r in enumerate(rows)
+    )
+
+    # Rows any step >= j still needs: a suffix OR over the step windows.
+    need_kBC = win_kBC.flip(0).to(torch.int32).cumsum(dim=0).flip(0) > 0
+    backbone_rows = (torch.arange(B * C, device=device),) + tuple(
+        need_kBC[j].flatten().nonzero().flatten() for j in range(1, k)
+    )
+    return RowMap(
+        rows=rows,
+        teacher_positions=teacher_positions,
+        table_rows=table_rows,
+        backbone_rows=backbone_rows,
+        denominator=B * C,
+        dead_steps=tuple(r.numel() == 0 for r in rows),
+        batch_size=B,
+        num_rows=C,
+        buffer_len=T,
+    )

@@ -1,0 +1,120 @@
+"""Frozen records passed between the stages of the data flow.
+
+Legend: B batch, T local buffer length (C own rows + tail), C own rows per sample,
+k TTT length, U teacher positions kept in the table, N rows of one step, V target
+vocab, Vd draft vocab. Flat draft rows are ``b*C + p``; flat teacher positions are
+``b*T + s`` (SPEC section 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Which rows each TTT step computes and where their teachers live (SPEC 6).
+
+    Fields:
+        rows: k int64 tensors ``[n_j]``, sorted flat draft rows ``b*C + (s - j)`` for
+            every supervised ``s`` with ``j <= s`` and ``s - j < C``.
+        teacher_positions: int64 ``[U]``, sorted flat ``b*T + s`` of every supervised
+            position some step reaches; row ``u`` of the teacher table is built there.
+        table_rows: k int64 tensors ``[n_j]``, index into the teacher table of the
+            teacher of each entry of ``rows[j]`` (aligned with it).
+        backbone_rows: k int64 tensors; entry 0 is every row ``arange(B*C)``, entry
+            ``j >= 1`` is ``union_{j' >= j} rows[j']`` (sorted).
+        denominator: ``B*C``, the ``local_mean`` divisor (padded rows included).
+        dead_steps: k bools, ``rows[j]`` is empty.
+        batch_size: B.
+        num_rows: C, own rows per sample.
+        buffer_len: T, positions per sample in the local buffer.
+    """
+
+    rows: tuple[torch.Tensor, ...]
+    teacher_positions: torch.Tensor
+    table_rows: tuple[torch.Tensor, ...]
+    backbone_rows: tuple[torch.Tensor, ...]
+    denominator: int
+    dead_steps: tuple[bool, ...]
+    batch_size: int
+    num_rows: int
+    buffer_len: int
+
+    @property
+    def ttt_length(self) -> int:
+        """k, the number of TTT steps."""
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class TeacherTable:
+    """The target's distribution at the U supervised teacher positions (SPEC 4).
+
+    Built once per batch with no grad; every TTT step reads it by index
+    (``RowMap.table_rows``). Float fields are fp32, or fp64 when built from fp64.
+
+    Fields:
+        probs: ``[U, Vd]``, ``softmax(z'[s][t2d])`` renormalised over the draft vocab.
+        probs_on_draft: ``[U, Vd]``, ``exp(z'[s][t2d] - logsumexp_V z'[s])`` (not
+            renormalised; used by the acceptance metric and the LK objectives).
+        target_token: int64 ``[U]``, ``argmax_V z'[s]``, ties to the lowest id.
+        gate: bool ``[U]``, ``t2d[target_token]``: the row trains only if the target's
+            token is in the draft vocab.
+    """
+
+    probs: torch.Tensor
+    probs_on_draft: torch.Tensor
+    target_token: torch.Tensor
+    gate: torch.Tensor
+
+    @property
+    def num_positions(self) -> int:
+        """U, the number of teacher positions."""
+        return self.target_token.shape[0]
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Sums over the rows of one TTT step on one rank (divide once, globally, later).
+
+    All fields are 0-d tensors. Counts are int64; sums have the loss dtype.
+
+    Fields:
+        loss_sum: ``sum_rows gate * l(p, j)``, the gated soft cross-entropy (grad).
+        correct: rows whose argmax draft token maps to ``target_token``.
+        rows: rows of the step (loss-mask rows, gated or not): acc's denominator.
+        gated: rows with ``gate`` set: the ``token_mean`` and accept denominators.
+        accept_sum: ``sum_{gated rows} sum_v min(probs_on_draft, softmax(logits))``.
+        log_accept_sum: ``sum_{gated rows} log a(p, j)`` with ``log 0 := 0``.
+    """
+
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+    rows: torch.Tensor
+    gated: torch.Tensor
+    accept_sum: torch.Tensor
+    log_accept_sum: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The TTT objective and per-step metrics (SPEC 5). ``[k]`` tensors per step.
+
+    Fields:
+        objective: 0-d, ``sum_j w_j * step_loss[j]`` (the value to backpropagate).
+        step_loss: ``[k]``, the per-step term of the objective (KL, or LK alpha/lambda).
+        kl_loss: ``[k]``, the soft cross-entropy ``loss_j = loss_sum_j / D_j``.
+        acc: ``[k]``, top-1 agreement over loss-mask rows (0 for a dead step).
+        accept: ``[k]``, mean expected acceptance over gated rows (0 when none).
+        tau: 0-d, simulated acceptance length ``1 + sum_j prod_{i<=j} acc_i``.
+    """
+
+    objective: torch.Tensor
+    step_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    acc: torch.Tensor
+    accept: torch.Tensor
+    tau: torch.Tensor
