@@ -26,7 +26,7 @@ def _check_t2d(t2d: torch.Tensor, vocab_size: int, what: str) -> None:
         raise ValueError(f"t2d must be bool [V], got {t2d.dtype} {tuple(t2d.shape)}")
     if t2d.shape[0] != vocab_size:
         raise ValueError(
-            f"t2d has {t2d.shape[0]} entries but the {what} has vocab {vocab_size}; "
+            f"t2d has {t2d.shape[0]} entries but the {what} cover a vocab of {vocab_size}; "
             "rebuild the vocab map for this target (eagle3fn.vocab.build_vocab_map)"
         )
 
@@ -92,7 +92,7 @@ def teacher_table_from_hidden(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     V = lm_head_VH.shape[0]
-    _check_t2d(t2d, V, "lm_head")
+    _check_t2d(t2d, V, "lm_head rows")
     U = hidden_UH.shape[0]
     dtype = _math_dtype(torch.promote_types(hidden_UH.dtype, lm_head_VH.dtype))
     device = hidden_UH.device
