@@ -17,6 +17,7 @@ import torch
 
 from eagle3fn.align import MaskAlignment, shift_left, supervised_mask
 from eagle3fn.loss import LossConfig, objective, step_terms
+from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective, RowMap
 from eagle3fn.teacher import teacher_table_from_logits
@@ -118,3 +119,24 @@ def random_case(
         for j in range(ttt_length)
     ]
     return RandomCase(step_logits, target, loss_mask, attention, t2d, d2t)
+
+
+def compare_with_reference(case: RandomCase, config: LossConfig = LossConfig()) -> dict[str, float]:
+    """Run the trimmed and the dense path on ``case``, backpropagate both, and return
+    the max relative error of every Objective field and of the step-logit gradients
+    (``grad``), plus the rows each path computed (``rows_trimmed``, ``rows_full``)."""
+    results = []
+    for fn in (trimmed_objective, reference_objective):
+        logits = [x.clone().requires_grad_(True) for x in case.step_logits]
+        out = fn(logits, case.target_logits, case.loss_mask, case.t2d, case.d2t,
+                 attention_mask_BS=case.attention_mask, config=config)
+        out.objective.backward()
+        results.append((out, torch.stack([x.grad for x in logits])))
+    (got, grad_got), (want, grad_want) = results
+    errors = max_rel_errors(got, want)
+    errors["grad"] = ((grad_got - grad_want).abs().max() / grad_want.abs().max().clamp_min(1e-300)).item()
+    mask = supervised_mask(case.loss_mask, case.attention_mask)
+    rowmap = build_rowmap(mask, len(case.step_logits))
+    errors["rows_trimmed"] = float(sum(r.numel() for r in rowmap.rows))
+    errors["rows_full"] = float(mask.numel() * len(case.step_logits))
+    return errors

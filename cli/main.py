@@ -1,0 +1,128 @@
+"""``eagle3fn`` subcommands. Each one parses a typed config with tyro and calls the
+library; formatting of tables is the only thing done here."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+import eagle3fn
+from eagle3fn.check import compare_with_reference, random_case
+from eagle3fn.loss import LossConfig
+from eagle3fn.rowmap import build_rowmap
+
+
+@dataclass(kw_only=True)
+class RowmapArgs:
+    """Print the row map of a mask: which rows each TTT step computes (SPEC 6)."""
+
+    mask: tuple[str, ...] = ("0001101110",)
+    """Supervised positions per sample as 0/1 strings of equal length, e.g.
+    ``--mask 0001101110 0110000111`` for a batch of two."""
+    ttt_length: int = 3
+    """k, the number of TTT steps."""
+    num_rows: int | None = None
+    """C, own rows per sample (default: the mask length). Positions >= C are a
+    sequence-parallel tail: they teach but never emit rows."""
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.mask if set(m) - {"0", "1"} or len(m) != len(self.mask[0])]
+        if not self.mask or bad:
+            raise ValueError(
+                f"--mask takes 0/1 strings of one length, got {list(self.mask)}; "
+                "e.g. --mask 0001101110"
+            )
+
+
+@dataclass(kw_only=True)
+class VerifyArgs:
+    """Check the trimmed loss end against the dense full-length oracle on random
+    batches: every per-step loss, metric and gradient, and the rows saved."""
+
+    batch: int = 4
+    """B, samples per batch (right-padded to random lengths)."""
+    seq_len: int = 256
+    """S, padded sequence length."""
+    vocab: int = 2048
+    """V, target vocab size."""
+    draft_vocab: int = 512
+    """Vd, draft vocab size."""
+    ttt_length: int = 7
+    """k, TTT steps."""
+    density: float = 0.3
+    """Fraction of positions in the chat loss mask."""
+    pattern: Literal["tail", "scattered"] = "tail"
+    """Where the supervision sits: a contiguous tail (prompt-heavy chat) or scattered."""
+    seeds: int = 3
+    """Number of random batches."""
+    dtype: Literal["float64", "float32"] = "float64"
+    """Precision of logits; fp64 is held to 1e-10, fp32 to SPEC section 8."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The objective to check."""
+
+
+def rowmap(args: RowmapArgs) -> None:
+    mask = torch.tensor([[c == "1" for c in m] for m in args.mask])
+    rm = build_rowmap(mask, args.ttt_length, num_rows=args.num_rows)
+    print(f"B={rm.batch_size} T={rm.buffer_len} C={rm.num_rows} k={rm.ttt_length} "
+          f"denominator={rm.denominator}")
+    print(f"teacher positions U = {rm.teacher_positions.tolist()}")
+    print(f"{'step':>4}  {'rows_j':<28} {'table_rows_j':<28} backbone_rows_j")
+    for j in range(rm.ttt_length):
+        backbone = "all" if j == 0 else str(rm.backbone_rows[j].tolist())
+        dead = "  (dead)" if rm.dead_steps[j] else ""
+        print(f"{j:>4}  {str(rm.rows[j].tolist()):<28} {str(rm.table_rows[j].tolist()):<28} "
+              f"{backbone}{dead}")
+
+
+def verify(args: VerifyArgs) -> None:
+    dtype = getattr(torch, args.dtype)
+    tol_loss, tol_grad = (1e-10, 1e-10) if dtype == torch.float64 else (1e-6, 1e-5)
+    print(f"trimmed vs dense, {args.dtype}, B={args.batch} S={args.seq_len} V={args.vocab} "
+          f"Vd={args.draft_vocab} k={args.ttt_length} {args.density:.0%} {args.pattern}, "
+          f"objective={args.loss.objective} normalization={args.loss.normalization}")
+    worst = 0.0
+    print(f"{'seed':>4} {'max rel err (loss/metrics)':>27} {'grad rel err':>13} {'rows computed':>14}")
+    for seed in range(args.seeds):
+        case = random_case(batch=args.batch, seq_len=args.seq_len, vocab=args.vocab,
+                           draft_vocab=args.draft_vocab, ttt_length=args.ttt_length,
+                           density=args.density, seed=seed, dtype=dtype, pattern=args.pattern)
+        err = compare_with_reference(case, args.loss)
+        rows_trimmed, rows_full = err.pop("rows_trimmed"), err.pop("rows_full")
+        grad = err.pop("grad")
+        loss = max(err.values())
+        worst = max(worst, loss / tol_loss, grad / tol_grad)
+        print(f"{seed:>4} {loss:>27.2e} {grad:>13.2e} {rows_trimmed / rows_full:>13.1%}")
+    verdict = "PASS" if worst <= 1 else "FAIL"
+    print(f"{verdict}: worst error is {worst:.2g}x the tolerance "
+          f"(loss/metrics {tol_loss:g}, gradients {tol_grad:g})")
+    if worst > 1:
+        sys.exit(1)
+
+
+@dataclass(kw_only=True)
+class VersionArgs:
+    """Print the installed eagle3fn version."""
+
+
+def version(args: VersionArgs) -> None:
+    print(eagle3fn.__version__)
+
+
+COMMANDS = {"rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
+            "version": (VersionArgs, version)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``eagle3fn`` console command."""
+    args = tyro.extras.subcommand_cli_from_dict(
+        {name: config for name, (config, _) in COMMANDS.items()},
+        prog="eagle3fn",
+        description="EAGLE-3 draft training that computes only what is supervised.",
+        args=argv,
+    )
+    next(run for config, run in COMMANDS.values() if isinstance(args, config))(args)

@@ -1,0 +1,90 @@
+"""The eagle3fn command: flags frozen, output checked, editable and regular installs."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from eagle3fn.cli.main import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Changing a flag is a user-visible change: update this set on purpose.
+FLAGS = {
+    "rowmap": {"--mask", "--ttt-length", "--num-rows"},
+    "verify": {"--batch", "--seq-len", "--vocab", "--draft-vocab", "--ttt-length",
+               "--density", "--pattern", "--seeds", "--dtype", "--loss.step-weight-decay",
+               "--loss.normalization", "--loss.objective", "--loss.kl-scale",
+               "--loss.kl-decay"},
+    "version": set(),
+}
+
+
+def help_flags(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    return set(re.findall(r"(--[a-z][a-z0-9.-]+)", text)) - {"--help"}
+
+
+@pytest.mark.parametrize("command", sorted(FLAGS))
+def test_flag_set_is_frozen(capsys, command):
+    assert help_flags(capsys, command) == FLAGS[command]
+
+
+def test_rowmap_prints_the_golden_table(capsys):
+    main(["rowmap", "--mask", "0000111", "--ttt-length", "3", "--num-rows", "4"])
+    out = capsys.readouterr().out
+    assert "teacher positions U = [4, 5]" in out
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert lines[0][:2] == ["0", "[]"] and "(dead)" in lines[0]
+    assert lines[2][:3] == ["2", "[2,", "3]"]
+
+
+def test_bad_mask_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["rowmap", "--mask", "01", "012"])
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert "--mask takes 0/1 strings of one length, got ['01', '012']" in text
+
+
+def test_verify_passes_and_reports(capsys):
+    main(["verify", "--batch", "2", "--seq-len", "24", "--vocab", "64", "--draft-vocab", "16",
+          "--seeds", "2", "--pattern", "scattered", "--loss.objective", "lambda"])
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, **kw)
+
+
+def test_console_script_in_this_install():
+    exe = shutil.which("eagle3fn")
+    assert exe, "the eagle3fn console script is not on PATH"
+    import eagle3fn
+
+    assert _run([exe, "version"]).stdout.strip() == eagle3fn.__version__
+    assert _run([sys.executable, "-m", "eagle3fn.cli", "version"]).stdout.strip() == eagle3fn.__version__
+
+
+def test_regular_install(tmp_path):
+    """`pip install .` (not editable) into a fresh target: the CLI package comes along."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    target = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+          "--no-index", "--quiet", "--target", str(target), str(src)])
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = _run([sys.executable, "-c", "import eagle3fn.cli.main as m; print(m.__file__)"],
+                 env=env, cwd=tmp_path).stdout
+    assert where.startswith(str(target)), where
+    out = _run([sys.executable, str(target / "bin" / "eagle3fn"), "rowmap", "--mask", "0110"],
+               env=env, cwd=tmp_path).stdout
+    assert "teacher positions U = [1, 2]" in out
