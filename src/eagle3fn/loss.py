@@ -75,6 +75,7 @@ def soft_cross_entropy(
     table: TeacherTable,
     table_rows_N: torch.Tensor,
     *,
+    row_mask_N: torch.Tensor | None = None,
     impl: Impl = "torch",
 ) -> torch.Tensor:
     """Gated soft cross-entropy **summed** over rows (0-d, differentiable in logits).
@@ -86,6 +87,8 @@ def soft_cross_entropy(
         logits_NV: ``[N, Vd]`` draft logits of the step's rows.
         table: the batch's TeacherTable (``probs [U, Vd]``, ``gate [U]``).
         table_rows_N: int64 ``[N]``, indices into the table.
+        row_mask_N: bool ``[N]`` or None; rows outside it count as absent (the
+            full-length path computes every row and masks, the trimmed one indexes).
         impl: ``"torch"`` (reference).
     """
     _check_rows(logits_NV, table, table_rows_N)
@@ -93,7 +96,13 @@ def soft_cross_entropy(
         raise ValueError(f"impl must be 'torch', got {impl!r}")
     logp = F.log_softmax(_math(logits_NV), dim=-1)
     per_row = -(table.probs[table_rows_N] * logp).sum(dim=-1)
-    return torch.where(table.gate[table_rows_N], per_row, 0.0).sum()
+    return torch.where(_gate(table, table_rows_N, row_mask_N), per_row, 0.0).sum()
+
+
+def _gate(table: TeacherTable, table_rows_N: torch.Tensor,
+          row_mask_N: torch.Tensor | None) -> torch.Tensor:
+    gate = table.gate[table_rows_N]
+    return gate if row_mask_N is None else gate & row_mask_N
 
 
 def step_terms(
@@ -102,21 +111,25 @@ def step_terms(
     table_rows_N: torch.Tensor,
     d2t: torch.Tensor,
     *,
+    row_mask_N: torch.Tensor | None = None,
     impl: Impl = "torch",
     accept_grad: bool = False,
 ) -> StepTerms:
     """Loss sum and metric counts of one step's rows (see ``StepTerms``).
 
     Args:
-        logits_NV, table, table_rows_N, impl: as ``soft_cross_entropy``.
+        logits_NV, table, table_rows_N, row_mask_N, impl: as ``soft_cross_entropy``.
         d2t: int64 ``[Vd]``, draft id ``i`` -> target id ``i + d2t[i]``.
         accept_grad: keep the graph of the acceptance sums (needed by the LK objectives).
     """
-    loss_sum = soft_cross_entropy(logits_NV, table, table_rows_N, impl=impl)
-    gate = table.gate[table_rows_N]
+    loss_sum = soft_cross_entropy(logits_NV, table, table_rows_N, row_mask_N=row_mask_N,
+                                  impl=impl)
+    gate = _gate(table, table_rows_N, row_mask_N)
     with torch.no_grad():
         pred = logits_NV.argmax(dim=-1)
-        correct = (pred + d2t[pred] == table.target_token[table_rows_N]).sum()
+        match = pred + d2t[pred] == table.target_token[table_rows_N]
+        correct = (match if row_mask_N is None else match & row_mask_N).sum()
+        rows = logits_NV.shape[0] if row_mask_N is None else row_mask_N.sum()
     with torch.set_grad_enabled(accept_grad and torch.is_grad_enabled()):
         probs = torch.softmax(_math(logits_NV), dim=-1)
         accept = torch.minimum(table.probs_on_draft[table_rows_N], probs).sum(dim=-1)
@@ -126,7 +139,7 @@ def step_terms(
     return StepTerms(
         loss_sum=loss_sum,
         correct=correct,
-        rows=torch.tensor(logits_NV.shape[0], device=logits_NV.device),
+        rows=torch.as_tensor(rows, device=logits_NV.device),
         gated=gate.sum(),
         accept_sum=accept.sum(),
         log_accept_sum=log_accept.sum(),

@@ -14,6 +14,32 @@ import torch
 
 
 @dataclass(frozen=True)
+class Features:
+    """One batch of target features in SPEC section 1's unshifted convention.
+
+    Give the teacher either as ``target_logits`` or as ``final_hidden`` +
+    ``target_head`` (streamed in vocab chunks, never ``[*, V]``).
+
+    Fields:
+        input_ids: int64 ``[B, T]``, tokens ``x_t``.
+        aux: ``[B, T, 3*Ht]``, ``a_t``: outputs of the three aux target layers.
+        attention_mask: ``[B, T]``, 1 on real tokens (right padding).
+        target_logits: ``[B, T, V]`` or None, ``z_t`` (predicts ``x_{t+1}``).
+        final_hidden: ``[B, T, Ht]`` or None, the target's hidden after its final norm.
+        target_head: ``[V, Ht]`` or None, the target's lm_head weight.
+        positions: int64 ``[B, T]`` or None (``arange``): RoPE positions.
+    """
+
+    input_ids: torch.Tensor
+    aux: torch.Tensor
+    attention_mask: torch.Tensor
+    target_logits: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
+    target_head: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class RowMap:
     """Which rows each TTT step computes and where their teachers live (SPEC 6).
 

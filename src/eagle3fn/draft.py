@@ -1,0 +1,307 @@
+"""The EAGLE-3 draft (SPEC section 2): one Llama-style layer, as a module skeleton.
+
+Legend: B batch, S sequence length, H draft hidden, Ht target hidden, I MLP width,
+h heads, g kv heads, d head dim, V target vocab, Vd draft vocab.
+
+Parameters live in a plain ``dict`` (``init_params``) named as SpecForge/SGLang name
+them, so exports load unchanged. ``Eagle3Draft`` only fixes structure and names; the
+training code runs it statelessly with ``torch.func.functional_call``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class RopeConfig:
+    """Rotary embedding of the draft: Llama rotate-half, HF ``rope_scaling`` types."""
+
+    theta: float = 10000.0
+    """Base ``rope_theta``."""
+    rope_type: RopeType = "default"
+    """``default``, ``linear`` (positions / factor), ``llama3`` (Llama-3.1 band-wise
+    scaling) or ``yarn``."""
+    factor: float = 1.0
+    """Scaling factor (linear, llama3, yarn)."""
+    low_freq_factor: float = 1.0
+    """llama3: low-frequency factor."""
+    high_freq_factor: float = 4.0
+    """llama3: high-frequency factor."""
+    original_max_position_embeddings: int = 8192
+    """llama3 / yarn: the context length the base model was trained at."""
+    beta_fast: float = 32.0
+    """yarn: fast rotation boundary."""
+    beta_slow: float = 1.0
+    """yarn: slow rotation boundary."""
+    mscale: float = 1.0
+    """yarn: attention-temperature scale."""
+    mscale_all_dim: float = 0.0
+    """yarn: divisor scale (DeepSeek-style); 0 uses ``0.1*ln(factor)+1``."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(
+                f"rope_type must be default, linear, llama3 or yarn, got {self.rope_type!r}"
+            )
+
+    @classmethod
+    def from_hf(cls, theta: float, scaling: dict | None) -> RopeConfig:
+        """From a HF config's ``rope_theta`` and ``rope_scaling`` dict (``type`` or
+        ``rope_type`` key)."""
+        if not scaling:
+            return cls(theta=theta)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        known = {f for f in cls.__dataclass_fields__ if f not in ("theta", "rope_type")}
+        return cls(theta=theta, rope_type=kind,
+                   **{k: v for k, v in scaling.items() if k in known and v is not None})
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (fp64 ``[d/2]``) and the cos/sin scale of a RoPE config
+    (transformers' ``ROPE_INIT_FUNCTIONS`` formulas)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponent)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, mid)
+        return torch.where(wavelen < high_wavelen, inv_freq, scaled), 1.0
+    if rope.rope_type == "yarn":
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(rope.original_max_position_embeddings
+                                        / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rope.beta_slow)), head_dim - 1)
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        extrapolate = 1 - ramp.clamp(0, 1)
+        inv_freq = inv_freq / rope.factor * (1 - extrapolate) + inv_freq * extrapolate
+        if rope.mscale_all_dim:
+            scale = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            scale = mscale(rope.factor)
+        return inv_freq, scale
+    return inv_freq, 1.0
+
+
+def rope_cos_sin(positions: torch.Tensor, rope: RopeConfig, head_dim: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[*positions.shape, d]`` (``emb = cat(freqs, freqs)``), in ``dtype``."""
+    inv_freq, scale = rope_frequencies(rope, head_dim)
+    freqs = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama rotate-half RoPE: ``x*cos + rotate_half(x)*sin`` (non-interleaved)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclass(kw_only=True, frozen=True)
+class DraftConfig:
+    """Sizes and toggles of the one-layer EAGLE-3 draft."""
+
+    hidden_size: int
+    """H, the draft's hidden size (usually the target's)."""
+    intermediate_size: int
+    """I, the SwiGLU MLP width."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA); divides ``num_heads``."""
+    vocab_size: int
+    """V, the target vocab (embedding rows; t2d length)."""
+    draft_vocab_size: int
+    """Vd, the draft head's vocab."""
+    head_dim: int | None = None
+    """d, per-head width (default H / num_heads)."""
+    target_hidden_size: int | None = None
+    """Ht, the target's hidden size (default H); fc maps 3*Ht -> H."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """Rotary embedding."""
+    fc_norm: bool = False
+    """EAGLE-3.1: RMSNorm each of the three aux chunks before fc."""
+    norm_output: bool = True
+    """Apply the final norm before lm_head (EAGLE-3.1 may turn it off)."""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                "set head_dim"
+            )
+
+    @property
+    def d(self) -> int:
+        """Per-head width."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def ht(self) -> int:
+        """Target hidden size."""
+        return self.target_hidden_size or self.hidden_size
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` with fp32 (or fp64) math, output in the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v from the ``[embedding ; hidden]`` input (width 2H), o back to H."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H, d = cfg.hidden_size, cfg.d
+        self.q_proj = nn.Linear(2 * H, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, H, bias=False)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The draft's single layer; ``ttt.py`` drives its attention step by step."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Eagle3Draft(nn.Module):
+    """Module skeleton: parameter names and shapes (SPEC section 2).
+
+    ``embed_tokens [V, H]`` (frozen, copied from the target), ``fc [H, 3*Ht]``,
+    optional ``fc_norm.{0,1,2} [Ht]``, ``midlayer.*``, ``norm [H]``, ``lm_head [Vd, H]``.
+    Build it on the ``meta`` device for structure only.
+    """
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.fc = nn.Linear(3 * cfg.ht, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.ht, cfg.rms_norm_eps) for _ in range(3)])
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+
+    def project(self, aux_BS3: torch.Tensor) -> torch.Tensor:
+        """Step-0 input feature ``g = fc(a)`` ``[B, S, H]`` from aux ``[B, S, 3*Ht]``."""
+        if self.cfg.fc_norm:
+            chunks = aux_BS3.chunk(3, dim=-1)
+            aux_BS3 = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_BS3)
+
+    def head(self, out_NH: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` of pre-norm outputs ``[N, H]``."""
+        return self.lm_head(self.norm(out_NH) if self.cfg.norm_output else out_NH)
+
+
+FROZEN = ("embed_tokens.weight",)
+"""Parameters that are copied from the target and never trained."""
+
+
+def init_params(
+    cfg: DraftConfig,
+    *,
+    embed_tokens: torch.Tensor | None = None,
+    target_lm_head: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Fresh draft parameters, named as ``Eagle3Draft.named_parameters()``.
+
+    Linear layers use normal(0, 0.02) (Llama's ``initializer_range``), norms are ones.
+
+    Args:
+        embed_tokens: ``[V, H]`` target embedding to copy (frozen; random if None).
+        target_lm_head: ``[V, H]`` target head; with ``t2d``, lm_head starts as its
+            draft-vocab rows ``target_lm_head[t2d]``.
+        t2d: bool ``[V]``, needed with ``target_lm_head``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        skeleton = Eagle3Draft(cfg)
+    norms = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, RMSNorm)}
+    params = {
+        name: torch.ones(p.shape) if name in norms else torch.randn(p.shape, generator=g) * 0.02
+        for name, p in skeleton.named_parameters()
+    }
+    if embed_tokens is not None:
+        if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"embed_tokens has shape {tuple(embed_tokens.shape)}, the draft needs "
+                f"[vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]"
+            )
+        params["embed_tokens.weight"] = embed_tokens.detach().clone()
+    if target_lm_head is not None:
+        if t2d is None or t2d.shape != (cfg.vocab_size,) or int(t2d.sum()) != cfg.draft_vocab_size:
+            raise ValueError(
+                "initialising lm_head from the target head needs t2d: bool [vocab_size] "
+                f"selecting draft_vocab_size={cfg.draft_vocab_size} ids"
+            )
+        params["lm_head.weight"] = target_lm_head.detach()[t2d.to(target_lm_head.device)].clone()
+    return {
+        k: v.to(device=device, dtype=dtype).requires_grad_(k not in FROZEN)
+        for k, v in params.items()
+    }

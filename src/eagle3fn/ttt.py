@@ -1,0 +1,225 @@
+"""Training-time test (SPEC section 3): the draft unrolled k steps, as a function of
+stateless parameters.
+
+Legend: B batch, T local buffer length, C own rows per sample, k TTT length, H draft
+hidden, h heads, g kv heads, d head dim, V target vocab, Vd draft vocab, U teacher
+positions, n_j rows of step j.
+
+Step j, row p: input token ``ids'[p + j]``, input feature ``fc(a_p)`` at j = 0 and the
+previous step's pre-norm output after; queries and keys at RoPE position
+``pos[p] + j``; keys are the causal step-0 keys plus the row's own keys of steps
+``1..j``; the teacher sits at ``s = p + j``.
+
+``trim="none"`` is the full-length path (SpecForge/EAGLE semantics): a teacher at
+every position, logits for every row, every row's loss masked. ``trim="loss"``
+builds the teacher only at the U supervised positions and computes the draft norm,
+lm_head, loss and metrics only at ``rows_j``; the backbone still runs every row.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from eagle3fn.align import shift_left
+from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, rope_cos_sin
+from eagle3fn.loss import LossConfig, objective, step_terms
+from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
+from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
+
+Trim = Literal["none", "loss"]
+AttentionImpl = Literal["eager"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TTTConfig:
+    """The unrolled objective: draft shape, TTT length, trimming, loss."""
+
+    draft: DraftConfig
+    """The draft's sizes and toggles."""
+    ttt_length: int = 7
+    """k, the number of unrolled steps."""
+    trim: Trim = "loss"
+    """``none``: every row at every step (reference semantics). ``loss``: teacher,
+    head, loss and metrics only at the supervised rows of each step (exact)."""
+    attention: AttentionImpl = "eager"
+    """``eager``: explicit scores, exact on any device (the CPU path)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Step weights, normalisation and objective kind."""
+    teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Vocab entries per block when the teacher is streamed from the final hidden."""
+
+    def __post_init__(self) -> None:
+        if self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+        if self.trim not in ("none", "loss"):
+            raise ValueError(f"trim must be 'none' or 'loss', got {self.trim!r}")
+        if self.attention != "eager":
+            raise ValueError(f"attention must be 'eager', got {self.attention!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def skeleton(cfg: DraftConfig) -> Eagle3Draft:
+    """A parameter-free ``Eagle3Draft`` (on ``meta``) for ``functional_call``."""
+    with torch.device("meta"):
+        return Eagle3Draft(cfg)
+
+
+def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
+                    valid_BC: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3 TTT attention at step ``j = len(keys) - 1``, exact.
+
+    Args:
+        q: ``[B, h, C, d]`` queries of step j (RoPE applied).
+        keys: j + 1 pairs ``(k, v)`` of ``[B, g, C, d]``; pair 0 is step 0 (causal
+            context), pair ``i >= 1`` the row's own keys of step i (diagonal).
+        valid_BC: bool ``[B, C]``, real (non-padded) key positions.
+
+    Returns:
+        ``[B, h, C, d]``. Scores in the input dtype, softmax in fp32 (fp64 for fp64).
+    """
+    B, h, C, d = q.shape
+    rep = h // keys[0][0].shape[1]
+    expand = lambda x: x.repeat_interleave(rep, dim=1)  # noqa: E731
+    scale = 1.0 / math.sqrt(d)
+    k0, v0 = expand(keys[0][0]), expand(keys[0][1])
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & valid_BC[:, None, None, :]
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    diag = [((q * expand(k)).sum(-1) * scale)[..., None] for k, _ in keys[1:]]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1),
+                          dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    out = probs[..., :C] @ v0
+    for i, (_, v) in enumerate(keys[1:]):
+        out = out + probs[..., C + i, None] * expand(v)
+    return out
+
+
+def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int) -> list[torch.Tensor]:
+    """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
+
+    Runs inside ``functional_call`` (``draft`` holds the parameters).
+    """
+    cfg, layer = draft.cfg, draft.midlayer
+    attn = layer.self_attn
+    C = num_rows
+    B = features.input_ids.shape[0]
+    ids_next = shift_left(features.input_ids)  # ids'[t] = x_{t+1}
+    positions = features.positions
+    if positions is None:
+        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
+    positions = positions[:, :C]
+    valid = features.attention_mask[:, :C].bool()
+    g = draft.project(features.aux[:, :C])
+    keys, outs = [], []
+    for j in range(ttt_length):
+        emb = draft.embed_tokens(shift_left(ids_next, j)[:, :C]).to(g.dtype)
+        u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g)), dim=-1)
+        heads = lambda proj, n: proj(u).view(B, C, n, cfg.d).transpose(1, 2)  # noqa: E731
+        q = heads(attn.q_proj, cfg.num_heads)
+        k = heads(attn.k_proj, cfg.num_kv_heads)
+        v = heads(attn.v_proj, cfg.num_kv_heads)
+        cos, sin = rope_cos_sin(positions + j, cfg.rope, cfg.d, q.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        keys.append((apply_rope(k, cos, sin), v))
+        a = eager_attention(apply_rope(q, cos, sin), keys, valid)
+        r = g + attn.o_proj(a.transpose(1, 2).reshape(B, C, cfg.num_heads * cfg.d))
+        out = r + layer.mlp(layer.post_attention_layernorm(r))
+        outs.append(out)
+        g = out
+    return outs
+
+
+class _Unrolled(torch.nn.Module):
+    """``forward`` = backbone + head + per-step terms, so one ``functional_call`` runs
+    the whole differentiable part."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
+                table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None):
+        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length)
+        terms = []
+        for j, out in enumerate(outs):
+            flat = out.flatten(0, 1)  # [B*C, H]
+            if config.trim == "loss":
+                logits = self.draft.head(flat[rowmap.rows[j]])  # [n_j, Vd]
+                table_rows, row_mask = rowmap.table_rows[j], None
+            else:
+                logits = self.draft.head(flat)  # [B*C, Vd]
+                table_rows, row_mask = _dense_step(rowmap, j, supervised_flat)
+            terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask,
+                                    accept_grad=config.loss.objective != "kl"))
+        return terms
+
+
+def _dense_step(rowmap: RowMap, j: int, supervised_flat: torch.Tensor):
+    """Full-length path, step j: every row ``b*C + p`` reads teacher ``b*T + p + j``
+    (``[B*C]``, clamped inside its sample) and counts iff ``p + j < T`` and that
+    position is supervised."""
+    B, C, T = rowmap.batch_size, rowmap.num_rows, rowmap.buffer_len
+    s = torch.arange(C, device=supervised_flat.device) + j
+    index = (torch.arange(B, device=s.device)[:, None] * T + s.clamp_max(T - 1)).flatten()
+    return index, (s < T).repeat(B) & supervised_flat[index]
+
+
+def _teacher(features: Features, read_U: torch.Tensor, config: TTTConfig,
+             t2d: torch.Tensor) -> TeacherTable:
+    """Teacher table from the target outputs at flat positions ``read_U`` of z."""
+    if features.target_logits is not None:
+        return teacher_table_from_logits(features.target_logits.flatten(0, 1)[read_U], t2d)
+    if features.final_hidden is None or features.target_head is None:
+        raise ValueError("Features need target_logits, or final_hidden and target_head")
+    return teacher_table_from_hidden(features.final_hidden.flatten(0, 1)[read_U],
+                                     features.target_head, t2d, chunk_size=config.teacher_chunk_size)
+
+
+def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
+        *, d2t: torch.Tensor, t2d: torch.Tensor) -> Objective:
+    """The TTT objective and per-step metrics of one batch (differentiable in params).
+
+    Args:
+        params: draft parameters (``draft.init_params``), any dtype/device.
+        features: the batch (``Features``), ``[B, T, ...]``.
+        rowmap: ``rowmap.build_rowmap(supervised_mask, k)`` of this batch.
+        config: ``TTTConfig``; ``config.trim`` picks the full or the trimmed path.
+        d2t, t2d: the vocab map.
+
+    Returns:
+        ``Objective`` (``objective`` 0-d, per-step ``[k]`` losses and metrics, tau).
+    """
+    B, T = features.input_ids.shape
+    if (rowmap.batch_size, rowmap.buffer_len) != (B, T) or rowmap.ttt_length != config.ttt_length:
+        raise ValueError(
+            f"row map is for B={rowmap.batch_size}, T={rowmap.buffer_len}, k={rowmap.ttt_length} "
+            f"but the batch has B={B}, T={T} and config.ttt_length={config.ttt_length}"
+        )
+    positions = rowmap.teacher_positions
+    if positions.numel() and bool((positions % T == T - 1).any()):
+        raise ValueError(
+            "a teacher position is the last of its buffer, where z'[s] = z[s+1] is not held; "
+            "build the mask with align.supervised_mask (it never supervises t = L-1)"
+        )
+    supervised_flat = None
+    if config.trim == "loss":
+        table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
+    else:
+        supervised_flat = torch.zeros(B * T, dtype=torch.bool, device=positions.device)
+        supervised_flat[positions] = True
+        s = torch.arange(B * T, device=positions.device)
+        # A teacher at every position; the last one of each buffer has no z[s+1] and is
+        # never supervised, so any row of z may stand in for it.
+        table = _teacher(features, torch.where(s % T == T - 1, s, s + 1), config, t2d)
+    module = _Unrolled(skeleton(config.draft))
+    named = {f"draft.{k}": v for k, v in params.items()}
+    terms = torch.func.functional_call(
+        module, named, (features, rowmap, config, table, d2t, supervised_flat)
+    )
+    return objective(terms, rowmap.denominator, config.loss)
