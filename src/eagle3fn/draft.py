@@ -92,7 +92,8 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, flo
 
         low = max(math.floor(correction_dim(rope.beta_fast)), 0)
         high = min(math.ceil(correction_dim(rope.beta_slow)), head_dim - 1)
-        ramp = (torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        span = high - low if high != low else 1e-3  # as transformers: avoid 0 / 0
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float64) - low) / span
         extrapolate = 1 - ramp.clamp(0, 1)
         inv_freq = inv_freq / rope.factor * (1 - extrapolate) + inv_freq * extrapolate
         if rope.mscale_all_dim:

@@ -1,0 +1,293 @@
+"""TTT: trim="loss" == trim="none" == dense oracle (SPEC 3, 5, 8), scope, RoPE, init."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagle3fn.align import supervised_mask
+from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params, rope_frequencies
+from eagle3fn.reference import reference_objective
+from eagle3fn.rowmap import build_rowmap
+from eagle3fn.shapes import Features
+from eagle3fn.ttt import TTTConfig, backbone, eager_attention, skeleton, ttt
+from eagle3fn.vocab import build_vocab_map
+
+K, S, V, VD, H, HT = 4, 11, 61, 23, 32, 24
+CFG = DraftConfig(hidden_size=H, intermediate_size=40, num_heads=4, num_kv_heads=2, vocab_size=V,
+                  draft_vocab_size=VD, target_hidden_size=HT,
+                  rope=RopeConfig(rope_type="llama3", factor=8.0, original_max_position_embeddings=8))
+FAMILIES = ["all", "random30", "tail", "single", "last_k", "empty"]
+
+
+def loss_mask_for(family, attention, g):
+    B, S_ = attention.shape
+    lengths = attention.sum(1)
+    pos = torch.arange(S_)[None, :]
+    m = {
+        "all": torch.ones(B, S_, dtype=torch.bool),
+        "random30": torch.rand(B, S_, generator=g) < 0.3,
+        "tail": pos >= (lengths[:, None] * 0.6).long(),
+        "single": pos == lengths[:, None] // 2,
+        "last_k": pos >= lengths[:, None] - K,
+        "empty": torch.zeros(B, S_, dtype=torch.bool),
+    }[family]
+    return m & attention.bool()
+
+
+def make_batch(family, B, dtype=torch.float64, seed=0, cfg=CFG, hidden_teacher=False):
+    g = torch.Generator().manual_seed(seed)
+    d2t, t2d = build_vocab_map(torch.randint(0, 100, (cfg.vocab_size,), generator=g), cfg.draft_vocab_size)
+    attention = torch.ones(B, S, dtype=torch.long)
+    for b in range(1, B):
+        attention[b, S - 2 * b:] = 0  # right padding of different lengths
+    head = torch.randn(cfg.vocab_size, cfg.ht, generator=g, dtype=dtype)
+    head[t2d] *= 1.5  # the teacher's argmax mostly in the draft vocab, as on real data
+    final_hidden = torch.randn(B, S, cfg.ht, generator=g, dtype=dtype)
+    features = Features(
+        input_ids=torch.randint(0, cfg.vocab_size, (B, S), generator=g),
+        aux=torch.randn(B, S, 3 * cfg.ht, generator=g, dtype=dtype),
+        attention_mask=attention,
+        target_logits=None if hidden_teacher else final_hidden @ head.T,
+        final_hidden=final_hidden if hidden_teacher else None,
+        target_head=head if hidden_teacher else None,
+    )
+    loss_mask = loss_mask_for(family, attention, g)
+    params = init_params(cfg, dtype=dtype, seed=seed)
+    with torch.no_grad():  # larger weights than the 0.02 init so every path matters
+        for name, p in params.items():
+            p.add_(torch.randn(p.shape, generator=g, dtype=dtype) * (0.3 if "norm" in name else 0.15))
+    return features, loss_mask, params, d2t, t2d
+
+
+def run(features, loss_mask, params, d2t, t2d, trim, rowmap=None, loss=None, cfg=CFG):
+    config = TTTConfig(draft=cfg, ttt_length=K, trim=trim, **({"loss": loss} if loss else {}))
+    if rowmap is None:
+        rowmap = build_rowmap(supervised_mask(loss_mask, features.attention_mask), K)
+    ps = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+    out = ttt(ps, features, rowmap, config, d2t=d2t, t2d=t2d)
+    out.objective.backward()
+    return out, {n: p.grad for n, p in ps.items() if p.requires_grad}
+
+
+def assert_same(got, want, rtol_loss, rtol_grad):
+    (o1, g1), (o2, g2) = got, want
+    for f in ("objective", "step_loss", "kl_loss", "acc", "accept", "tau"):
+        a, b = getattr(o1, f).detach(), getattr(o2, f).detach()
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+        assert err <= rtol_loss, f"{f} differs by {err:.3g}"
+    assert g1.keys() == g2.keys()
+    for name in g2:
+        err = ((g1[name] - g2[name]).abs().max() / g2[name].abs().max().clamp_min(1e-300)).item()
+        assert err <= rtol_grad, f"grad {name} differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_trim_equals_full_fp64(family, B):
+    batch = make_batch(family, B)
+    assert_same(run(*batch, trim="loss"), run(*batch, trim="none"), 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("loss", [dict(normalization="token_mean"), dict(objective="alpha"),
+                                  dict(objective="lambda", kl_scale=0.5)], ids=str)
+def test_loss_trim_equals_full_other_objectives(loss):
+    from eagle3fn.loss import LossConfig
+
+    batch = make_batch("random30", 3, seed=2)
+    cfg = LossConfig(**loss)
+    assert_same(run(*batch, trim="loss", loss=cfg), run(*batch, trim="none", loss=cfg), 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("family", ["all", "tail", "random30"])
+def test_fp32_within_spec_tolerance(family):
+    batch64 = make_batch(family, 3)
+    f, lm, params, d2t, t2d = batch64
+    f32 = dataclasses.replace(f, aux=f.aux.float(), target_logits=f.target_logits.float())
+    p32 = {n: p.detach().float().requires_grad_(p.requires_grad) for n, p in params.items()}
+    got = run(f32, lm, p32, d2t, t2d, trim="loss")
+    want = run(*batch64, trim="none")
+    got = (got[0], {n: g.double() for n, g in got[1].items()})
+    assert_same(got, want, 1e-6, 1e-5)
+
+
+def test_streamed_teacher_path_equals_logits_path():
+    a = make_batch("random30", 3, seed=3)
+    b = make_batch("random30", 3, seed=3, hidden_teacher=True)
+    assert_same(run(*b, trim="loss"), run(*a, trim="none"), 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("family", ["all", "random30", "tail", "last_k"])
+def test_negative_control_unshifted_rows_caught(family):
+    batch = make_batch(family, 3)
+    f, lm = batch[0], batch[1]
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    bad = dataclasses.replace(rm, rows=(rm.rows[0],) * K, table_rows=(rm.table_rows[0],) * K)
+    with pytest.raises(AssertionError):
+        assert_same(run(*batch, trim="loss", rowmap=bad), run(*batch, trim="none"), 1e-10, 1e-10)
+
+
+def materialize(params, cfg=CFG):
+    m = Eagle3Draft(cfg).double()
+    m.load_state_dict({n: p.detach() for n, p in params.items()})
+    return m
+
+
+@pytest.mark.parametrize("family", ["random30", "last_k"])
+def test_full_path_equals_dense_oracle(family):
+    """The full path's loss end against reference.reference_objective on its logits."""
+    f, lm, params, d2t, t2d = batch = make_batch(family, 3)
+    m = materialize(params)
+    with torch.no_grad():
+        logits = [m.head(o) for o in backbone(m, f, S, K)]
+    want = reference_objective(logits, f.target_logits, lm, t2d, d2t, attention_mask_BS=f.attention_mask)
+    got = run(*batch, trim="none")[0]
+    for field in ("objective", "kl_loss", "acc", "accept", "tau"):
+        torch.testing.assert_close(getattr(got, field).detach(), getattr(want, field), rtol=1e-12, atol=0)
+
+
+def brute_attention(q, keys, valid):
+    """One (b, head, row) at a time: causal step-0 keys over real positions, then the
+    row's own diagonal keys."""
+    B, h, C, d = q.shape
+    rep = h // keys[0][0].shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for hh in range(h):
+            for p in range(C):
+                ks = [keys[0][0][b, hh // rep, t] for t in range(p + 1) if valid[b, t]]
+                vs = [keys[0][1][b, hh // rep, t] for t in range(p + 1) if valid[b, t]]
+                ks += [k[b, hh // rep, p] for k, _ in keys[1:]]
+                vs += [v[b, hh // rep, p] for _, v in keys[1:]]
+                w = torch.softmax(torch.stack([q[b, hh, p] @ k for k in ks]) / d ** 0.5, 0)
+                out[b, hh, p] = sum(wi * vi for wi, vi in zip(w, vs))
+    return out
+
+
+def test_eager_attention_against_brute_force():
+    g = torch.Generator().manual_seed(0)
+    B, h, gk, C, d = 2, 4, 2, 6, 8
+    valid = torch.ones(B, C, dtype=torch.bool)
+    valid[1, 4:] = False
+    q = torch.randn(B, h, C, d, generator=g, dtype=torch.float64)
+    keys = [(torch.randn(B, gk, C, d, generator=g, dtype=torch.float64),
+             torch.randn(B, gk, C, d, generator=g, dtype=torch.float64)) for _ in range(3)]
+    got = eager_attention(q, keys, valid)
+    want = brute_attention(q, keys, valid)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1, :, :4], want[1, :, :4], rtol=1e-12, atol=1e-12)
+    # Negative control: dropping the diagonal keys is caught.
+    assert not torch.allclose(eager_attention(q, keys[:1], valid)[0], want[0])
+
+
+class _Shapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_scope_of_loss_trimming():
+    """Backbone projections see all B*S rows at every step; norm and lm_head see n_j
+    rows at step j; no [B*S, Vd] teacher or logits tensor exists."""
+    B = 3
+    f, lm, params, d2t, t2d = batch = make_batch("tail", B)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    assert 0 < sum(r.numel() for r in rm.rows) < B * S * K
+    seen = {}
+    sk = skeleton(CFG)
+    names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
+             "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj", "norm", "lm_head"]
+    hooks = [sk.get_submodule(n).register_forward_hook(
+        lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
+        for n in names]
+    try:
+        with _Shapes() as rec:
+            run(*batch, trim="loss", rowmap=rm)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    for n in names[:5]:
+        assert seen[n] == [B * S] * K, n
+    assert seen["lm_head"] == [r.numel() for r in rm.rows]
+    assert seen["norm"] == [r.numel() for r in rm.rows]
+    assert not [s for s in rec.shapes if s[-1:] == (VD,) and s[:-1] in ((B * S,), (B, S))]
+    # The same recorder sees them on the full path (negative control).
+    with _Shapes() as rec:
+        run(*batch, trim="none", rowmap=rm)
+    assert (B * S, VD) in rec.shapes
+
+
+def test_torch_func_grad_matches_autograd():
+    f, lm, params, d2t, t2d = batch = make_batch("random30", 2)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    config = TTTConfig(draft=CFG, ttt_length=K, trim="loss")
+    trainable = {n: p.detach() for n, p in params.items() if p.requires_grad}
+    frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
+    grads = torch.func.grad(
+        lambda tp: ttt({**tp, **frozen}, f, rm, config, d2t=d2t, t2d=t2d).objective)(trainable)
+    _, want = run(*batch, trim="loss", rowmap=rm)
+    for n in want:
+        torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14)
+
+
+def test_mismatched_rowmap_is_a_clear_error():
+    f, lm, params, d2t, t2d = make_batch("tail", 2)
+    rm = build_rowmap(torch.zeros(2, S + 1, dtype=torch.bool), K)
+    with pytest.raises(ValueError, match="row map is for B=2, T=12"):
+        ttt(params, f, rm, TTTConfig(draft=CFG, ttt_length=K), d2t=d2t, t2d=t2d)
+    rm = build_rowmap(torch.ones(2, S, dtype=torch.bool), K)  # includes t = L-1
+    with pytest.raises(ValueError, match="last of its buffer"):
+        ttt(params, f, rm, TTTConfig(draft=CFG, ttt_length=K), d2t=d2t, t2d=t2d)
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+], ids=lambda s: s["rope_type"] if s else "default")
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, head_dim = 500000.0, 64
+    ours, scale = rope_frequencies(RopeConfig.from_hf(theta, scaling), head_dim)
+    if scaling is None:
+        want = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        want_scale = 1.0
+    else:
+        cfg = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=131072,
+                          rope_parameters={"rope_theta": theta, **scaling})
+        want, want_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, device="cpu")
+    torch.testing.assert_close(ours.float(), want.float(), rtol=2e-6, atol=0)
+    assert abs(scale - want_scale) < 1e-6
+
+
+def test_init_params_copies_target_embedding_and_head_rows():
+    g = torch.Generator().manual_seed(0)
+    cfg = dataclasses.replace(CFG, target_hidden_size=None, fc_norm=True)
+    embed = torch.randn(V, H, generator=g)
+    head = torch.randn(V, H, generator=g)
+    d2t, t2d = build_vocab_map(torch.randint(0, 9, (V,), generator=g), VD)
+    p = init_params(cfg, embed_tokens=embed, target_lm_head=head, t2d=t2d)
+    assert torch.equal(p["embed_tokens.weight"], embed) and not p["embed_tokens.weight"].requires_grad
+    assert torch.equal(p["lm_head.weight"], head[d2t + torch.arange(VD)])
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= p.keys()
+    assert set(p) == {n for n, _ in Eagle3Draft(cfg).named_parameters()}
+    with pytest.raises(ValueError, match="embed_tokens has shape"):
+        init_params(cfg, embed_tokens=torch.randn(V, H + 1))
+    with pytest.raises(ValueError, match="needs t2d"):
+        init_params(cfg, target_lm_head=head)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        dataclasses.replace(CFG, num_kv_heads=3)
