@@ -151,8 +151,16 @@ SPECFORGE_BUFFER_SHAPES: Dict[str, tuple] = {"d2t": ("Vd",), "t2d": ("V",)}
 
 
 def _interpreted() -> bool:
+    """True iff SpecForge's loss kernel *and* triton.language ran in interpreter
+    mode. Both are decided when the module is first imported, so TRITON_INTERPRET
+    must be set before anything imports triton (note: torch itself imports
+    triton, e.g. inside torch.use_deterministic_algorithms)."""
+    import triton.language as tl
+
     kern = getattr(_sf_loss, "log_softmax_forward_kernel", None)
-    return type(kern).__name__ == "InterpretedFunction"
+    return all(
+        type(f).__name__ == "InterpretedFunction" for f in (kern, tl.max, tl.sum)
+    )
 
 
 def _dims(cfg: Dict[str, Any]) -> Dict[str, int]:
@@ -267,17 +275,19 @@ def specforge_ttt(
     ttt_length: int,
     ploss_decay: float = 0.8,
     backward: bool = True,
-    dtype: torch.dtype = torch.float32,
 ) -> Dict[str, Any]:
     """Run SpecForge 0.2.0's EAGLE-3 TTT training forward (+ backward) on CPU.
 
     See the module docstring for argument conventions (all unshifted) and the
-    returned dict.
+    returned dict. fp32 only: SpecForge's mask helper builds its causal mask
+    in the default dtype (specforge/modeling/_mask_utils.py:39), so fp64 fails.
     """
+    dtype = torch.float32
     if not _interpreted():
         raise RuntimeError(
-            "specforge.core.loss was imported without TRITON_INTERPRET=1; import "
-            "tests.specforge_oracle (or set TRITON_INTERPRET=1) before specforge"
+            "Triton is not in interpreter mode: set TRITON_INTERPRET=1 before "
+            "anything imports triton (torch.use_deterministic_algorithms and "
+            "torch._inductor import it), e.g. first thing in conftest.py"
         )
     if ttt_length < 1:
         raise ValueError("ttt_length must be >= 1")
