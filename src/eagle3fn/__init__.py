@@ -6,7 +6,8 @@ The data flow, one stage per module::
       -> align.supervised_mask      sup = {t : m_t, t <= L-2}        bool [B, T]
       -> rowmap.build_rowmap        rows_j = {s - j}, teacher positions U, table rows
       -> teacher.teacher_table_*    probs / probs_on_draft [U, Vd], token / gate [U]
-      -> (draft TTT steps)          logits_j only at rows_j            [n_j, Vd]
+      -> ttt.ttt                    draft unrolled k steps (draft.py), logits_j
+                                    only at rows_j under trim="loss"   [n_j, Vd]
       -> loss.step_terms            gated sums and metric counts per step
       -> loss.objective             sum_j 0.8**j * loss_j, acc, accept, tau
 
@@ -15,16 +16,25 @@ objective; ``check.trimmed_objective`` composes the trimmed stages for compariso
 """
 
 from eagle3fn.align import sequence_lengths, shift_left, supervised_mask
+from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params
 from eagle3fn.loss import LossConfig, objective, soft_cross_entropy, step_terms
 from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
-from eagle3fn.shapes import Objective, RowMap, StepTerms, TeacherTable
+from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
+from eagle3fn.ttt import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map, count_tokens, validate_vocab_map
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DraftConfig",
+    "Eagle3Draft",
+    "Features",
+    "RopeConfig",
+    "TTTConfig",
+    "init_params",
+    "ttt",
     "LossConfig",
     "Objective",
     "RowMap",
