@@ -291,3 +291,36 @@ def test_init_params_copies_target_embedding_and_head_rows():
         init_params(cfg, target_lm_head=head)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         dataclasses.replace(CFG, num_kv_heads=3)
+
+
+def test_flex_path_forward_equals_eager_on_cpu():
+    """FlexAttention (uncompiled, forward only on CPU) with the EAGLE-3 block mask
+    against the exact path; the GPU run checks the compiled one with gradients."""
+    f, lm, params, d2t, t2d = batch = make_batch("random30", 3, dtype=torch.float32)
+    f = dataclasses.replace(f, target_logits=f.target_logits.float())
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    p32 = {n: p.detach().float() for n, p in params.items()}
+    out = {}
+    for attention in ("eager", "flex"):
+        config = TTTConfig(draft=CFG, ttt_length=K, trim="loss", attention=attention)
+        with torch.no_grad():
+            out[attention] = ttt(p32, f, rm, config, d2t=d2t, t2d=t2d)
+    torch.testing.assert_close(out["flex"].kl_loss, out["eager"].kl_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out["flex"].accept, out["eager"].accept, rtol=1e-5, atol=1e-7)
+
+
+def test_flex_step_against_brute_force_with_negative_control():
+    from eagle3fn.ttt import flex_attention_step
+
+    g = torch.Generator().manual_seed(1)
+    B, h, gk, C, d = 2, 4, 2, 150, 8  # C > one 128-block: segments are padded
+    valid = torch.ones(B, C, dtype=torch.bool)
+    valid[1, 100:] = False
+    q = torch.randn(B, h, C, d, generator=g)
+    keys = [(torch.randn(B, gk, C, d, generator=g), torch.randn(B, gk, C, d, generator=g))
+            for _ in range(3)]
+    want = eager_attention(q, keys, valid)
+    got = flex_attention_step(q, keys, valid)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :, :100], want[1, :, :100], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(flex_attention_step(q, keys[:2], valid)[0], want[0], atol=1e-3)

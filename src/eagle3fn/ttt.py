@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from eagle3fn.align import shift_left
 from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, rope_cos_sin
@@ -32,7 +33,8 @@ from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
 
 Trim = Literal["none", "loss"]
-AttentionImpl = Literal["eager"]
+AttentionImpl = Literal["auto", "eager", "flex"]
+FLEX_BLOCK = 128
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,8 +48,10 @@ class TTTConfig:
     trim: Trim = "loss"
     """``none``: every row at every step (reference semantics). ``loss``: teacher,
     head, loss and metrics only at the supervised rows of each step (exact)."""
-    attention: AttentionImpl = "eager"
-    """``eager``: explicit scores, exact on any device (the CPU path)."""
+    attention: AttentionImpl = "auto"
+    """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
+    compiled FlexAttention over ``[step-0 keys ; diagonal keys]`` with a block-sparse
+    EAGLE-3 mask (the GPU path; no backward on CPU). ``auto``: flex on CUDA, else eager."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Step weights, normalisation and objective kind."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -58,8 +62,8 @@ class TTTConfig:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
         if self.trim not in ("none", "loss"):
             raise ValueError(f"trim must be 'none' or 'loss', got {self.trim!r}")
-        if self.attention != "eager":
-            raise ValueError(f"attention must be 'eager', got {self.attention!r}")
+        if self.attention not in ("auto", "eager", "flex"):
+            raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -100,11 +104,53 @@ def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int) -> list[torch.Tensor]:
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
+                        valid_BC: torch.Tensor) -> torch.Tensor:
+    """``eager_attention`` computed by FlexAttention (same arguments and result).
+
+    Each key segment (step 0, then the diagonal keys of steps 1..j) is padded to a
+    multiple of the block size so that every diagonal segment costs one partial block
+    per query block; the mask is causal + key validity on segment 0 and the diagonal
+    on the others. Compiled on CUDA; uncompiled (forward only) elsewhere.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, h, C, d = q.shape
+    Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
+    pad = lambda x: F.pad(x, (0, 0, 0, Cp - C))  # noqa: E731
+    k = torch.cat([pad(k) for k, _ in keys], dim=2)
+    v = torch.cat([pad(v) for _, v in keys], dim=2)
+    valid = F.pad(valid_BC, (0, Cp - C))
+
+    def mask_mod(b, head, q_idx, kv_idx):
+        segment, offset = kv_idx // Cp, kv_idx % Cp
+        causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
+        return causal | ((segment > 0) & (offset == q_idx))
+
+    block_mask = create_block_mask(mask_mod, B, None, Cp, len(keys) * Cp, device=q.device,
+                                   _compile=q.is_cuda)
+    attend = _compiled_flex() if q.is_cuda else flex_attention
+    out = attend(pad(q), k, v, block_mask=block_mask, scale=1.0 / math.sqrt(d),
+                 enable_gqa=h != keys[0][0].shape[1])
+    return out[:, :, :C]
+
+
+def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
+             attention: AttentionImpl = "eager") -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
 
     Runs inside ``functional_call`` (``draft`` holds the parameters).
     """
+    if attention == "auto":
+        attention = "flex" if features.aux.is_cuda else "eager"
+    attend = flex_attention_step if attention == "flex" else eager_attention
     cfg, layer = draft.cfg, draft.midlayer
     attn = layer.self_attn
     C = num_rows
@@ -127,7 +173,7 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
         cos, sin = rope_cos_sin(positions + j, cfg.rope, cfg.d, q.dtype)
         cos, sin = cos[:, None], sin[:, None]
         keys.append((apply_rope(k, cos, sin), v))
-        a = eager_attention(apply_rope(q, cos, sin), keys, valid)
+        a = attend(apply_rope(q, cos, sin), keys, valid)
         r = g + attn.o_proj(a.transpose(1, 2).reshape(B, C, cfg.num_heads * cfg.d))
         out = r + layer.mlp(layer.post_attention_layernorm(r))
         outs.append(out)
@@ -145,7 +191,7 @@ class _Unrolled(torch.nn.Module):
 
     def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None):
-        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length)
+        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length, config.attention)
         terms = []
         for j, out in enumerate(outs):
             flat = out.flatten(0, 1)  # [B*C, H]
