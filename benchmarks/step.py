@@ -1,0 +1,200 @@
+"""One TTT training step (forward + backward, teacher included, no optimizer) at the
+BENCH.md "8B shapes", eagle3fn's paths beside SpecForge 0.2.0 in the same process.
+
+    python benchmarks/step.py --seq-lens 8192 --modes specforge none loss --json out.json
+
+Protocol (../shared/BENCH.md): bf16 weights and activations, fp32 loss math, random
+seeded inputs in the offline layout (aux ``[1, S, 12288]``, final hidden
+``[1, S, 4096]``, random bf16 target head with the draft rows scaled by 1.5), 2+
+warm-ups then the median of >= 6 steps timed with CUDA events; peak =
+``max_memory_allocated`` after ``reset_peak_memory_stats``. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+from eagle3fn.align import shift_left, supervised_mask
+from eagle3fn.draft import DraftConfig, init_params
+from eagle3fn.rowmap import build_rowmap
+from eagle3fn.shapes import Features
+from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.vocab import build_vocab_map
+
+Mode = Literal["specforge", "none", "loss"]
+
+
+@dataclass(kw_only=True)
+class BenchArgs:
+    """Benchmark settings (defaults: BENCH.md's standard configuration)."""
+
+    seq_lens: tuple[int, ...] = (8192,)
+    """Sequence lengths S to run."""
+    density: float = 0.3
+    """Fraction of supervised positions."""
+    pattern: Literal["tail", "scattered"] = "tail"
+    """Contiguous tail (prompt-heavy chat) or scattered at random."""
+    modes: tuple[Mode, ...] = ("specforge", "none", "loss")
+    """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none, trim=loss."""
+    warmup: int = 2
+    """Untimed steps first."""
+    iters: int = 6
+    """Timed steps (median reported)."""
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 128256
+    draft_vocab: int = 32000
+    ttt_length: int = 7
+    json: str | None = None
+    """Write the results here as JSON."""
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
+
+
+def make_inputs(args: BenchArgs, S: int):
+    g = torch.Generator(device="cuda").manual_seed(S)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    counts = torch.randint(0, 10**6, (args.vocab,), generator=g, device="cuda")
+    d2t, t2d = build_vocab_map(counts, args.draft_vocab)
+    head = torch.randn(args.vocab, args.hidden, generator=g, **bf) * 0.02
+    head[t2d] *= 1.5
+    pos = torch.arange(S, device="cuda")[None]
+    if args.pattern == "tail":
+        loss_mask = pos >= int(S * (1 - args.density))
+    else:
+        loss_mask = torch.rand(1, S, generator=g, device="cuda") < args.density
+    features = Features(
+        input_ids=torch.randint(0, args.vocab, (1, S), generator=g, device="cuda"),
+        aux=torch.randn(1, S, 3 * args.hidden, generator=g, **bf),
+        attention_mask=torch.ones(1, S, dtype=torch.long, device="cuda"),
+        final_hidden=torch.randn(1, S, args.hidden, generator=g, **bf),
+        target_head=head,
+    )
+    return features, loss_mask, d2t, t2d
+
+
+def draft_config(args: BenchArgs) -> DraftConfig:
+    return DraftConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       num_heads=args.heads, num_kv_heads=args.kv_heads, vocab_size=args.vocab,
+                       draft_vocab_size=args.draft_vocab)
+
+
+def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
+    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex")
+
+    def step():
+        rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
+        out = ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
+        out.objective.backward()
+        for p in params.values():
+            p.grad = None
+        return out
+    return step
+
+
+def specforge_step(args, cfg, params, features, loss_mask, d2t, t2d):
+    from transformers import LlamaConfig
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         head_dim=cfg.d, vocab_size=args.vocab, draft_vocab_size=args.draft_vocab,
+                         num_hidden_layers=1, max_position_embeddings=max(args.seq_lens) + 64,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope.theta,
+                         tie_word_embeddings=False)
+    with torch.device("cuda"):
+        draft = LlamaForCausalLMEagle3(config, attention_backend="flex_attention")
+    draft = draft.to(torch.bfloat16)
+    state = {n: p.detach() for n, p in params.items()}
+    state.update(d2t=d2t, t2d=t2d)
+    draft.load_state_dict(state, strict=True)
+    draft.freeze_embedding()
+    model = OnlineEagle3Model(draft_model=draft, length=args.ttt_length,
+                              attention_backend="flex_attention")
+    # Its data path: ids' and z' shifted left, loss mask unshifted [B, S, 1].
+    ids = shift_left(features.input_ids)
+    lm = loss_mask.clone()
+    lm[:, -1] = False
+
+    def step():
+        target = shift_left(features.final_hidden) @ features.target_head.T  # z', bf16
+        plosses, *_ = model(input_ids=ids, attention_mask=features.attention_mask, target=target,
+                            loss_mask=lm[..., None].int(), hidden_states=features.aux)
+        sum(0.8**j * p for j, p in enumerate(plosses)).backward()
+        draft.zero_grad(set_to_none=True)
+        return plosses
+    return step
+
+
+def timed(step, warmup: int, iters: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def main(args: BenchArgs) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ceiling = matmul_tflops()
+    cfg = draft_config(args)
+    rows = []
+    for S in args.seq_lens:
+        features, loss_mask, d2t, t2d = make_inputs(args, S)
+        params = {n: p.to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
+                  for n, p in init_params(cfg, seed=0).items()}
+        for mode in args.modes:
+            if mode == "specforge":
+                step = specforge_step(args, cfg, params, features, loss_mask, d2t, t2d)
+            else:
+                step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
+            try:
+                ms, gib = timed(step, args.warmup, args.iters)
+            except torch.OutOfMemoryError:
+                ms, gib = float("nan"), float("nan")
+            torch.cuda.empty_cache()
+            rows.append(dict(S=S, mode=mode, density=args.density, pattern=args.pattern,
+                             median_ms=round(ms, 2), peak_gib=round(gib, 2)))
+            print(rows[-1], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
+                           device=torch.cuda.get_device_name(), torch=torch.__version__), f, indent=1)
+    base = {r["S"]: r["median_ms"] for r in rows if r["mode"] == "specforge"}
+    print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s; {args.density:.0%} {args.pattern}")
+    print(f"{'S':>7} {'mode':>10} {'median ms':>10} {'peak GiB':>9} {'vs SpecForge':>13}")
+    for r in rows:
+        ratio = r["median_ms"] / base[r["S"]] if r["S"] in base else float("nan")
+        print(f"{r['S']:>7} {r['mode']:>10} {r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(BenchArgs))
