@@ -309,18 +309,54 @@ def test_flex_path_forward_equals_eager_on_cpu():
     torch.testing.assert_close(out["flex"].accept, out["eager"].accept, rtol=1e-5, atol=1e-7)
 
 
-def test_flex_step_against_brute_force_with_negative_control():
+@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
+                                       (40, (40, 7, 1, 39))])
+def test_flex_step_against_exact_with_negative_control(C, lengths):
+    """Hand-built block mask: segments padded to 128, edge blocks at every length."""
     from eagle3fn.ttt import flex_attention_step
 
     g = torch.Generator().manual_seed(1)
-    B, h, gk, C, d = 2, 4, 2, 150, 8  # C > one 128-block: segments are padded
-    valid = torch.ones(B, C, dtype=torch.bool)
-    valid[1, 100:] = False
+    B, h, gk, d, k = len(lengths), 4, 2, 8, 4
+    valid = torch.arange(C)[None] < torch.tensor(lengths)[:, None]
     q = torch.randn(B, h, C, d, generator=g)
     keys = [(torch.randn(B, gk, C, d, generator=g), torch.randn(B, gk, C, d, generator=g))
             for _ in range(3)]
-    want = eager_attention(q, keys, valid)
-    got = flex_attention_step(q, keys, valid)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1, :, :100], want[1, :, :100], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(flex_attention_step(q, keys[:2], valid)[0], want[0], atol=1e-3)
+    for j in range(3):
+        want = eager_attention(q, keys[: j + 1], valid)
+        got = flex_attention_step(q, keys[: j + 1], valid, ttt_length=k)
+        for b, L in enumerate(lengths):
+            torch.testing.assert_close(got[b, :, :L], want[b, :, :L], rtol=1e-5, atol=1e-5)
+    wrong = flex_attention_step(q, keys[:2], valid, ttt_length=k)
+    assert not torch.allclose(wrong[0], eager_attention(q, keys, valid)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256))])
+def test_hand_built_block_mask_equals_dense_derivation(C, lengths):
+    """The block lists the compiled kernel uses (which the CPU path never reads) list
+    exactly the blocks create_block_mask derives from the dense mask, with the same
+    full/partial split."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from eagle3fn.ttt import FLEX_BLOCK, eagle_block_mask
+
+    k = 4
+    Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
+    lengths_t = torch.tensor(lengths)
+    valid = torch.arange(Cp)[None] < lengths_t[:, None]
+    for j in range(k):
+        def mask_mod(b, head, q_idx, kv_idx):
+            segment, offset = kv_idx // Cp, kv_idx % Cp
+            causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
+            return causal | ((segment > 0) & (segment <= j) & (offset == q_idx))
+
+        ours = eagle_block_mask(lengths_t, Cp, k, j, mask_mod)
+        dense = create_block_mask(mask_mod, len(lengths), None, Cp, k * Cp, device="cpu")
+        assert torch.equal(ours.to_dense(), dense.to_dense()), j
+
+        def full_set(bm):
+            n = bm.full_kv_num_blocks[:, 0]
+            idx = bm.full_kv_indices[:, 0]
+            return {(b, m, int(idx[b, m, t])) for b in range(n.shape[0]) for m in range(n.shape[1])
+                    for t in range(int(n[b, m]))}
+
+        assert full_set(ours) == full_set(dense), j

@@ -111,31 +111,70 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def eagle_block_mask(lengths_B: torch.Tensor, padded_rows: int, ttt_length: int, step: int,
+                     mask_mod):
+    """The EAGLE-3 TTT mask of step ``j = step`` as a hand-built FlexAttention BlockMask.
+
+    Keys are k segments of ``padded_rows`` (a multiple of FLEX_BLOCK): segment 0 holds
+    the step-0 keys, segment i the diagonal keys of step i (segments past j are
+    never listed, so every step has the same key length and one compiled kernel).
+    Per query block m: full blocks = segment-0 blocks below the diagonal whose keys are
+    all real; partial blocks (``mask_mod`` applies) = the segment-0 block holding the
+    diagonal or the end of the sequence, then block m of segments 1..j. No dense
+    mask is ever evaluated.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = padded_rows // FLEX_BLOCK
+    dev = lengths_B.device
+    m = torch.arange(n, device=dev)[None, :]  # [1, n] query blocks
+    L = lengths_B[:, None]
+    full = torch.minimum(m, L // FLEX_BLOCK)  # [B, n]
+    last_real = (L + FLEX_BLOCK - 1) // FLEX_BLOCK - 1
+    has_edge = full <= torch.minimum(m, last_real)  # one partial segment-0 block?
+    diag = m[..., None] + n * torch.arange(1, step + 1, device=dev)  # [1, n, j]
+    diag = diag.expand(L.shape[0], n, step)
+    edge = torch.cat([full[..., None], diag], dim=-1)  # edge block first
+    partial = torch.where(has_edge[..., None], edge, F.pad(diag, (0, 1)))
+    partial = F.pad(partial, (0, n * ttt_length - partial.shape[-1]))  # rows span all blocks
+    full_idx = torch.arange(n * ttt_length, device=dev).expand(L.shape[0], n, -1)
+    as_i32 = lambda x: x[:, None].to(torch.int32).contiguous()  # noqa: E731 - [B, 1, ...]
+    return BlockMask.from_kv_blocks(
+        as_i32(has_edge.int() + step), as_i32(partial), as_i32(full), as_i32(full_idx),
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(padded_rows, padded_rows * ttt_length),
+    )
+
+
 def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
-                        valid_BC: torch.Tensor) -> torch.Tensor:
+                        valid_BC: torch.Tensor, ttt_length: int | None = None) -> torch.Tensor:
     """``eager_attention`` computed by FlexAttention (same arguments and result).
 
-    Each key segment (step 0, then the diagonal keys of steps 1..j) is padded to a
-    multiple of the block size so that every diagonal segment costs one partial block
-    per query block; the mask is causal + key validity on segment 0 and the diagonal
-    on the others. Compiled on CUDA; uncompiled (forward only) elsewhere.
+    Keys are laid out as ``ttt_length`` segments padded to a multiple of the block
+    size (unused segments are zeros and never read), so the key length is the same
+    at every step and one compiled kernel serves the whole unroll; the block mask
+    (``eagle_block_mask``) lists only the causal and diagonal blocks. Compiled on
+    CUDA; uncompiled (forward only) elsewhere. Right padding assumed: ``valid_BC``
+    is a prefix of ones per row.
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     B, h, C, d = q.shape
+    k_total = ttt_length or len(keys)
     Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
     pad = lambda x: F.pad(x, (0, 0, 0, Cp - C))  # noqa: E731
-    k = torch.cat([pad(k) for k, _ in keys], dim=2)
-    v = torch.cat([pad(v) for _, v in keys], dim=2)
+    zeros = torch.zeros_like(pad(keys[0][0]))
+    k = torch.cat([pad(k) for k, _ in keys] + [zeros] * (k_total - len(keys)), dim=2)
+    v = torch.cat([pad(v) for _, v in keys] + [zeros] * (k_total - len(keys)), dim=2)
     valid = F.pad(valid_BC, (0, Cp - C))
+    # A tensor, not an int: the compiled kernel must not specialise on the step.
+    step = torch.tensor(len(keys) - 1, device=q.device)
 
     def mask_mod(b, head, q_idx, kv_idx):
         segment, offset = kv_idx // Cp, kv_idx % Cp
         causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
-        return causal | ((segment > 0) & (offset == q_idx))
+        return causal | ((segment > 0) & (segment <= step) & (offset == q_idx))
 
-    block_mask = create_block_mask(mask_mod, B, None, Cp, len(keys) * Cp, device=q.device,
-                                   _compile=q.is_cuda)
+    block_mask = eagle_block_mask(valid_BC.sum(1), Cp, k_total, len(keys) - 1, mask_mod)
     attend = _compiled_flex() if q.is_cuda else flex_attention
     out = attend(pad(q), k, v, block_mask=block_mask, scale=1.0 / math.sqrt(d),
                  enable_gqa=h != keys[0][0].shape[1])
@@ -150,7 +189,10 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
     """
     if attention == "auto":
         attention = "flex" if features.aux.is_cuda else "eager"
-    attend = flex_attention_step if attention == "flex" else eager_attention
+    if attention == "flex":
+        attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
+    else:
+        attend = eager_attention
     cfg, layer = draft.cfg, draft.midlayer
     attn = layer.self_attn
     C = num_rows
