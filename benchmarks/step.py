@@ -41,7 +41,7 @@ class BenchArgs:
     """Fraction of supervised positions."""
     pattern: Literal["tail", "scattered"] = "tail"
     """Contiguous tail (prompt-heavy chat) or scattered at random."""
-    modes: tuple[Mode, ...] = ("specforge", "none", "loss")
+    modes: tuple[Mode, ...] = ("none", "loss", "specforge")
     """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none, trim=loss."""
     warmup: int = 2
     """Untimed steps first."""
@@ -56,6 +56,8 @@ class BenchArgs:
     ttt_length: int = 7
     json: str | None = None
     """Write the results here as JSON."""
+    profile: str | None = None
+    """Profile one step of each mode after timing and write the kernel tables here."""
 
 
 def matmul_tflops() -> float:
@@ -162,6 +164,18 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
+def profile_step(step, path: str, title: str) -> None:
+    """Append the top kernels and ops of one profiled step to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"\n==== {title}\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 def main(args: BenchArgs) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     ceiling = matmul_tflops()
@@ -178,6 +192,8 @@ def main(args: BenchArgs) -> None:
                 step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
             try:
                 ms, gib = timed(step, args.warmup, args.iters)
+                if args.profile:
+                    profile_step(step, f"{args.profile}", f"S={S} mode={mode}")
             except torch.OutOfMemoryError:
                 ms, gib = float("nan"), float("nan")
             torch.cuda.empty_cache()

@@ -108,6 +108,10 @@ def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    # Every torch.compile(flex_attention) in the process (other libraries' too) shares
+    # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
+    # path. Each (length, dtype) needs its own kernel, so allow more than the default.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 
