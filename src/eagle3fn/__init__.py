@@ -22,7 +22,7 @@ from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.ttt import TTTConfig  # the function is eagle3fn.ttt.ttt (module name kept free)
 from eagle3fn.vocab import build_vocab_map, count_tokens, validate_vocab_map
 
 __version__ = "0.1.0"
@@ -34,7 +34,6 @@ __all__ = [
     "RopeConfig",
     "TTTConfig",
     "init_params",
-    "ttt",
     "LossConfig",
     "Objective",
     "RowMap",
