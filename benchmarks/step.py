@@ -183,7 +183,9 @@ def main(args: BenchArgs) -> None:
     rows = []
     for S in args.seq_lens:
         features, loss_mask, d2t, t2d = make_inputs(args, S)
-        params = {n: p.to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
+        # detach: leaves on the GPU (a .to() of a CPU leaf would send every gradient
+        # back to the host in backward).
+        params = {n: p.detach().to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
                   for n, p in init_params(cfg, seed=0).items()}
         for mode in args.modes:
             if mode == "specforge":
