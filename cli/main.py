@@ -11,7 +11,7 @@ import torch
 import tyro
 
 import eagle3fn
-from eagle3fn.check import compare_with_reference, random_case
+from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
 
@@ -40,8 +40,9 @@ class RowmapArgs:
 
 @dataclass(kw_only=True)
 class VerifyArgs:
-    """Check the trimmed loss end against the dense full-length oracle on random
-    batches: every per-step loss, metric and gradient, and the rows saved."""
+    """Check trimming on random batches: the trimmed loss end against the dense
+    full-length oracle, and the whole TTT (a small random draft) with trim="loss"
+    against trim="none": every per-step loss, metric and gradient, and the rows saved."""
 
     batch: int = 4
     """B, samples per batch (right-padded to random lengths)."""
@@ -82,21 +83,26 @@ def rowmap(args: RowmapArgs) -> None:
 def verify(args: VerifyArgs) -> None:
     dtype = getattr(torch, args.dtype)
     tol_loss, tol_grad = (1e-10, 1e-10) if dtype == torch.float64 else (1e-6, 1e-5)
-    print(f"trimmed vs dense, {args.dtype}, B={args.batch} S={args.seq_len} V={args.vocab} "
+    print(f"trimmed vs full length, {args.dtype}, B={args.batch} S={args.seq_len} V={args.vocab} "
           f"Vd={args.draft_vocab} k={args.ttt_length} {args.density:.0%} {args.pattern}, "
           f"objective={args.loss.objective} normalization={args.loss.normalization}")
     worst = 0.0
-    print(f"{'seed':>4} {'max rel err (loss/metrics)':>27} {'grad rel err':>13} {'rows computed':>14}")
+    print(f"{'seed':>4} {'check':>34} {'max rel err (loss/metrics)':>27} {'grad rel err':>13} "
+          f"{'rows computed':>14}")
     for seed in range(args.seeds):
         case = random_case(batch=args.batch, seq_len=args.seq_len, vocab=args.vocab,
                            draft_vocab=args.draft_vocab, ttt_length=args.ttt_length,
                            density=args.density, seed=seed, dtype=dtype, pattern=args.pattern)
-        err = compare_with_reference(case, args.loss)
-        rows_trimmed, rows_full = err.pop("rows_trimmed"), err.pop("rows_full")
-        grad = err.pop("grad")
-        loss = max(err.values())
-        worst = max(worst, loss / tol_loss, grad / tol_grad)
-        print(f"{seed:>4} {loss:>27.2e} {grad:>13.2e} {rows_trimmed / rows_full:>13.1%}")
+        loss_end = compare_with_reference(case, args.loss)
+        rows_trimmed, rows_full = loss_end.pop("rows_trimmed"), loss_end.pop("rows_full")
+        checks = [("loss end vs dense oracle", loss_end),
+                  ("TTT trim=loss vs trim=none", compare_ttt(case, args.loss, seed=seed))]
+        for name, err in checks:
+            grad = err.pop("grad")
+            loss = max(err.values())
+            worst = max(worst, loss / tol_loss, grad / tol_grad)
+            print(f"{seed:>4} {name:>34} {loss:>27.2e} {grad:>13.2e} "
+                  f"{rows_trimmed / rows_full:>13.1%}")
     verdict = "PASS" if worst <= 1 else "FAIL"
     print(f"{verdict}: worst error is {worst:.2g}x the tolerance "
           f"(loss/metrics {tol_loss:g}, gradients {tol_grad:g})")

@@ -140,3 +140,42 @@ def compare_with_reference(case: RandomCase, config: LossConfig = LossConfig()) 
     errors["rows_trimmed"] = float(sum(r.numel() for r in rowmap.rows))
     errors["rows_full"] = float(mask.numel() * len(case.step_logits))
     return errors
+
+
+def compare_ttt(case: RandomCase, config: LossConfig = LossConfig(), *, hidden: int = 64,
+                seed: int = 0) -> dict[str, float]:
+    """The whole TTT, ``trim="loss"`` vs ``trim="none"``, on ``case``'s batch with a
+    small random draft (hidden ``hidden``) and random aux features: max relative
+    error of every Objective field and of every parameter gradient (``grad``)."""
+    from eagle3fn.draft import DraftConfig, init_params
+    from eagle3fn.shapes import Features
+    from eagle3fn.ttt import TTTConfig, ttt
+
+    B, S, V = case.target_logits.shape
+    dtype = case.target_logits.dtype
+    g = torch.Generator().manual_seed(seed)
+    draft = DraftConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_heads=4,
+                        num_kv_heads=2, vocab_size=V, draft_vocab_size=int(case.t2d.sum()))
+    params = init_params(draft, dtype=dtype, seed=seed)
+    with torch.no_grad():  # away from the near-zero init so every path matters
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.2)
+    features = Features(input_ids=torch.randint(0, V, (B, S), generator=g),
+                        aux=torch.randn(B, S, 3 * hidden, generator=g, dtype=dtype),
+                        attention_mask=case.attention_mask, target_logits=case.target_logits)
+    rowmap = build_rowmap(supervised_mask(case.loss_mask, case.attention_mask), len(case.step_logits))
+    results = []
+    for trim in ("loss", "none"):
+        ps = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+        out = ttt(ps, features, rowmap, TTTConfig(draft=draft, ttt_length=rowmap.ttt_length,
+                                                  trim=trim, attention="eager", loss=config),
+                  d2t=case.d2t, t2d=case.t2d)
+        out.objective.backward()
+        results.append((out, {n: p.grad for n, p in ps.items() if p.requires_grad}))
+    (got, grads_got), (want, grads_want) = results
+    errors = max_rel_errors(got, want)
+    errors["grad"] = max(
+        ((grads_got[n] - grads_want[n]).abs().max() / grads_want[n].abs().max().clamp_min(1e-300)).item()
+        for n in grads_want
+    )
+    return errors
