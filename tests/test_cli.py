@@ -82,9 +82,13 @@ def test_regular_install(tmp_path):
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
           "--no-index", "--quiet", "--target", str(target), str(src)])
     env = {**os.environ, "PYTHONPATH": str(target)}
-    where = _run([sys.executable, "-c", "import eagle3fn.cli.main as m; print(m.__file__)"],
-                 env=env, cwd=tmp_path).stdout
-    assert where.startswith(str(target)), where
+    # Every eagle3fn module must come from the regular install (a subpackage missing
+    # from the wheel would otherwise be found through the editable install's finder).
+    where = _run([sys.executable, "-c", "import sys, eagle3fn.cli.main, eagle3fn.loss; "
+                  "print('\\n'.join(m.__file__ for n, m in sys.modules.items() "
+                  "if n.startswith('eagle3fn') and getattr(m, '__file__', None)))"],
+                 env=env, cwd=tmp_path).stdout.split()
+    assert len(where) > 5 and all(w.startswith(str(target)) for w in where), where
     out = _run([sys.executable, str(target / "bin" / "eagle3fn"), "rowmap", "--mask", "0110"],
                env=env, cwd=tmp_path).stdout
     assert "teacher positions U = [1, 2]" in out

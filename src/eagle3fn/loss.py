@@ -6,7 +6,8 @@ Row ``i`` of a step is taught by table row ``table_rows[i]``.
 Per step, ``step_terms`` returns *sums* (loss, counts, acceptance); ``objective``
 divides once by the global counts, so the same code serves one rank and many
 (reduce the sums across ranks first). ``impl`` selects the implementation of the
-soft cross-entropy; ``"torch"`` is the readable reference.
+soft cross-entropy; ``"torch"`` is the readable reference, ``"triton"`` the kernels
+of ``kernels/soft_ce.py`` (loss, argmax and acceptance in one pass over the vocab).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from eagle3fn.kernels.soft_ce import SoftCE, indexed_soft_ce
 from eagle3fn.shapes import Objective, StepTerms, TeacherTable
 
-Impl = Literal["torch"]
+Impl = Literal["torch", "triton"]
 Normalization = Literal["local_mean", "token_mean"]
 ObjectiveKind = Literal["kl", "alpha", "lambda"]
 
@@ -70,6 +72,18 @@ def _check_rows(logits_NV: torch.Tensor, table: TeacherTable, table_rows_N: torc
         )
 
 
+def _check_impl(impl: str) -> None:
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+
+
+def _kernel(logits_NV: torch.Tensor, table: TeacherTable, table_rows_N: torch.Tensor,
+            row_mask_N: torch.Tensor | None, d2t: torch.Tensor | None = None) -> SoftCE:
+    return indexed_soft_ce(logits_NV, table.probs, table.probs_on_draft, table.gate,
+                           table_rows_N, row_mask_N=row_mask_N, d2t_V=d2t,
+                           target_token_U=None if d2t is None else table.target_token)
+
+
 def soft_cross_entropy(
     logits_NV: torch.Tensor,
     table: TeacherTable,
@@ -89,11 +103,13 @@ def soft_cross_entropy(
         table_rows_N: int64 ``[N]``, indices into the table.
         row_mask_N: bool ``[N]`` or None; rows outside it count as absent (the
             full-length path computes every row and masks, the trimmed one indexes).
-        impl: ``"torch"`` (reference).
+        impl: ``"torch"`` (reference) or ``"triton"`` (``kernels.indexed_soft_ce``: streams the
+            vocab, reads the table by index; fp64 runs its PyTorch twin).
     """
     _check_rows(logits_NV, table, table_rows_N)
-    if impl != "torch":
-        raise ValueError(f"impl must be 'torch', got {impl!r}")
+    _check_impl(impl)
+    if impl == "triton":
+        return _kernel(logits_NV, table, table_rows_N, row_mask_N).loss.sum()
     logp = F.log_softmax(_math(logits_NV), dim=-1)
     per_row = -(table.probs[table_rows_N] * logp).sum(dim=-1)
     return torch.where(_gate(table, table_rows_N, row_mask_N), per_row, 0.0).sum()
@@ -121,21 +137,31 @@ def step_terms(
         logits_NV, table, table_rows_N, row_mask_N, impl: as ``soft_cross_entropy``.
         d2t: int64 ``[Vd]``, draft id ``i`` -> target id ``i + d2t[i]``.
         accept_grad: keep the graph of the acceptance sums (needed by the LK objectives).
+            The Triton kernels give no acceptance gradient: with ``impl="triton"`` and
+            ``accept_grad`` the acceptance sums fall back to the torch implementation
+            (loss and acc still come from the kernel).
     """
-    loss_sum = soft_cross_entropy(logits_NV, table, table_rows_N, row_mask_N=row_mask_N,
-                                  impl=impl)
+    _check_rows(logits_NV, table, table_rows_N)
+    _check_impl(impl)
     gate = _gate(table, table_rows_N, row_mask_N)
-    with torch.no_grad():
-        pred = logits_NV.argmax(dim=-1)
-        match = pred + d2t[pred] == table.target_token[table_rows_N]
-        correct = (match if row_mask_N is None else match & row_mask_N).sum()
-        rows = logits_NV.shape[0] if row_mask_N is None else row_mask_N.sum()
-    with torch.set_grad_enabled(accept_grad and torch.is_grad_enabled()):
-        probs = torch.softmax(_math(logits_NV), dim=-1)
-        accept = torch.minimum(table.probs_on_draft[table_rows_N], probs).sum(dim=-1)
-        accept = torch.where(gate, accept, 0.0)
-        # log(1) = 0 stands in for log 0 and for ungated rows (finite gradients).
-        log_accept = torch.log(torch.where(gate & (accept > 0), accept, 1.0))
+    if impl == "triton":
+        out = _kernel(logits_NV, table, table_rows_N, row_mask_N, d2t)
+        loss_sum, correct, accept = out.loss.sum(), out.correct.sum(), out.accept
+    else:
+        loss_sum = soft_cross_entropy(logits_NV, table, table_rows_N, row_mask_N=row_mask_N,
+                                      impl=impl)
+        with torch.no_grad():
+            pred = logits_NV.argmax(dim=-1)
+            match = pred + d2t[pred] == table.target_token[table_rows_N]
+            correct = (match if row_mask_N is None else match & row_mask_N).sum()
+    rows = logits_NV.shape[0] if row_mask_N is None else row_mask_N.sum()
+    if impl == "torch" or accept_grad:  # the kernels' acceptance has no gradient
+        with torch.set_grad_enabled(accept_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(_math(logits_NV), dim=-1)
+            accept = torch.minimum(table.probs_on_draft[table_rows_N], probs).sum(dim=-1)
+            accept = torch.where(gate, accept, 0.0)
+    # log(1) = 0 stands in for log 0 and for ungated rows (finite gradients).
+    log_accept = torch.log(torch.where(gate & (accept > 0), accept, 1.0))
     return StepTerms(
         loss_sum=loss_sum,
         correct=correct,
