@@ -174,8 +174,23 @@ class DraftConfig:
         return self.target_hidden_size or self.hidden_size
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` with fp32 (or fp64) math, output in the input dtype."""
+    y = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def head_logits(out_NH: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                cfg: DraftConfig) -> torch.Tensor:
+    """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` (no norm when
+    ``cfg.norm_output`` is off) of pre-norm outputs ``[N, H]``, weights passed in."""
+    x = rms_norm(out_NH, norm_weight, cfg.rms_norm_eps) if cfg.norm_output else out_NH
+    return F.linear(x, lm_head_weight)
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` as a module (its weight is a named parameter)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -183,9 +198,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -254,6 +267,10 @@ class Eagle3Draft(nn.Module):
     def head(self, out_NH: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` of pre-norm outputs ``[N, H]``."""
         return self.lm_head(self.norm(out_NH) if self.cfg.norm_output else out_NH)
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm.weight, lm_head.weight)``, for ``head_logits`` outside the module."""
+        return self.norm.weight, self.lm_head.weight
 
 
 FROZEN = ("embed_tokens.weight",)

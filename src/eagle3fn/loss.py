@@ -12,11 +12,13 @@ of ``kernels/soft_ce.py`` (loss, argmax and acceptance in one pass over the voca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eagle3fn.kernels.soft_ce import SoftCE, indexed_soft_ce
 from eagle3fn.shapes import Objective, StepTerms, TeacherTable
@@ -170,6 +172,55 @@ def step_terms(
         accept_sum=accept.sum(),
         log_accept_sum=log_accept.sum(),
     )
+
+
+def head_step_terms(
+    hidden_NH: torch.Tensor,
+    head: Callable[..., torch.Tensor],
+    head_weights: Sequence[torch.Tensor],
+    table: TeacherTable,
+    table_rows_N: torch.Tensor,
+    d2t: torch.Tensor,
+    *,
+    row_mask_N: torch.Tensor | None = None,
+    impl: Impl = "torch",
+    accept_grad: bool = False,
+    chunk_rows: int = 1024,
+) -> StepTerms:
+    """``step_terms(head(hidden, *head_weights), ...)`` without keeping the logits.
+
+    The rows are processed in chunks of ``chunk_rows``; each chunk's logits
+    ``[chunk, Vd]`` are dropped after its terms are computed and recomputed in
+    backward (``torch.utils.checkpoint``), so no ``[N, Vd]`` tensor outlives a chunk.
+    Gradients reach ``hidden`` and every tensor of ``head_weights`` (passed as explicit
+    inputs so the recomputation needs no module state). Under ``torch.func`` transforms,
+    which do not support checkpointing, the logits are computed whole and kept.
+
+    Args:
+        hidden_NH: ``[N, H]`` pre-norm outputs of the step's rows.
+        head: ``head(hidden_chunk, *head_weights) -> [chunk, Vd]`` logits.
+        chunk_rows: rows per chunk (peak logits memory ``chunk_rows * Vd``).
+        others: as ``step_terms``.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
+        return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t,
+                          row_mask_N=row_mask_N, impl=impl, accept_grad=accept_grad)
+    names = [f.name for f in dataclasses.fields(StepTerms)]
+    sums = None
+    for start in range(0, max(hidden_NH.shape[0], 1), chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        mask = None if row_mask_N is None else row_mask_N[rows]
+
+        def chunk_terms(h, *weights, rows=rows, mask=mask):
+            t = step_terms(head(h, *weights), table, table_rows_N[rows], d2t, row_mask_N=mask,
+                           impl=impl, accept_grad=accept_grad)
+            return tuple(getattr(t, n) for n in names)
+
+        part = checkpoint(chunk_terms, hidden_NH[rows], *head_weights, use_reentrant=False)
+        sums = part if sums is None else tuple(a + b for a, b in zip(sums, part))
+    return StepTerms(**dict(zip(names, sums)))
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

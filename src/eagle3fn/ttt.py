@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from eagle3fn.align import shift_left
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, rope_cos_sin
-from eagle3fn.loss import LossConfig, objective, step_terms
+from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, head_logits, rope_cos_sin
+from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
 
 Trim = Literal["none", "loss"]
+LossImpl = Literal["auto", "torch", "triton"]
 AttentionImpl = Literal["auto", "eager", "flex"]
 FLEX_BLOCK = 128
 
@@ -54,6 +55,14 @@ class TTTConfig:
     EAGLE-3 mask (the GPU path; no backward on CPU). ``auto``: flex on CUDA, else eager."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Step weights, normalisation and objective kind."""
+    loss_impl: LossImpl = "auto"
+    """Soft cross-entropy and metrics: ``torch`` (reference), ``triton`` (indexed
+    kernels, any Vd), ``auto`` (triton on CUDA, torch elsewhere)."""
+    fused_head: bool = True
+    """``trim="loss"``: run norm + lm_head + loss in row chunks and recompute the
+    logits in backward instead of keeping ``[n_j, Vd]`` (``loss.head_step_terms``)."""
+    head_chunk_rows: int = 2048
+    """Rows per chunk of the fused head (peak logits memory ``chunk * Vd``)."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Vocab entries per block when the teacher is streamed from the final hidden."""
 
@@ -62,6 +71,8 @@ class TTTConfig:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
         if self.trim not in ("none", "loss"):
             raise ValueError(f"trim must be 'none' or 'loss', got {self.trim!r}")
+        if self.loss_impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
             raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
 
@@ -238,17 +249,26 @@ class _Unrolled(torch.nn.Module):
     def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None):
         outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length, config.attention)
+        impl = config.loss_impl
+        if impl == "auto":
+            impl = "triton" if features.aux.is_cuda else "torch"
+        kwargs = dict(impl=impl, accept_grad=config.loss.objective != "kl")
         terms = []
         for j, out in enumerate(outs):
             flat = out.flatten(0, 1)  # [B*C, H]
+            if config.trim == "loss" and config.fused_head:
+                head = functools.partial(head_logits, cfg=self.draft.cfg)
+                terms.append(head_step_terms(
+                    flat[rowmap.rows[j]], head, self.draft.head_weights(), table,
+                    rowmap.table_rows[j], d2t, chunk_rows=config.head_chunk_rows, **kwargs))
+                continue
             if config.trim == "loss":
                 logits = self.draft.head(flat[rowmap.rows[j]])  # [n_j, Vd]
                 table_rows, row_mask = rowmap.table_rows[j], None
             else:
                 logits = self.draft.head(flat)  # [B*C, Vd]
                 table_rows, row_mask = _dense_step(rowmap, j, supervised_flat)
-            terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask,
-                                    accept_grad=config.loss.objective != "kl"))
+            terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask, **kwargs))
         return terms
 
 
