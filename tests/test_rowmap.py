@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from recorders import OpRecorder
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3fn.rowmap import build_rowmap
 
@@ -151,14 +151,6 @@ def test_bad_input_is_a_clear_error(kwargs, match):
         build_rowmap(**kwargs)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_vectorised_op_count_does_not_grow_with_length():
@@ -166,7 +158,7 @@ def test_vectorised_op_count_does_not_grow_with_length():
     counts = []
     for T in (50, 5000):
         mask = torch.rand(2, T) < 0.3
-        with _CountOps() as ops:
+        with OpRecorder() as ops:
             build_rowmap(mask, 7)
         counts.append(ops.n)
     assert counts[0] == counts[1]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from recorders import OpRecorder
 
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
 from eagle3fn.vocab import build_vocab_map
@@ -88,29 +88,18 @@ def test_streamed_ties_break_to_lowest_id_across_chunks(chunk_size):
     assert ((z == z.max(1, keepdim=True).values).sum(1) > 1).sum() >= 5  # ties do occur
 
 
-class _Shapes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
 
 
 def test_streamed_never_allocates_U_by_V():
     U, H, V, Vd, chunk = 6, 8, 1000, 100, 128
     _, t2d = random_map(V, Vd)
     hidden, head = torch.randn(U, H), torch.randn(V, H)
-    with _Shapes() as rec:
+    with OpRecorder() as rec:
         teacher_table_from_hidden(hidden, head, t2d, chunk_size=chunk)
     assert rec.shapes, "the recorder saw no ops"
     assert not [s for s in rec.shapes if len(s) >= 2 and s[-1] == V]
     # The same recorder does see [U, V] in the dense path (negative control).
-    with _Shapes() as rec:
+    with OpRecorder() as rec:
         teacher_table_from_logits(hidden @ head.T, t2d)
     assert (U, V) in rec.shapes
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from recorders import OpRecorder
 
 from eagle3fn.align import supervised_mask
 from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params, rope_frequencies
@@ -183,17 +183,6 @@ def test_eager_attention_against_brute_force():
     assert not torch.allclose(eager_attention(q, keys[:1], valid)[0], want[0])
 
 
-class _Shapes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
 
 
 def test_scope_of_loss_trimming():
@@ -211,7 +200,7 @@ def test_scope_of_loss_trimming():
         lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
         for n in names]
     try:
-        with _Shapes() as rec:
+        with OpRecorder() as rec:
             run(*batch, trim="loss", rowmap=rm, fused_head=False)
     finally:
         for hk in hooks:
@@ -222,7 +211,7 @@ def test_scope_of_loss_trimming():
     assert seen["norm"] == [r.numel() for r in rm.rows]
     assert not [s for s in rec.shapes if s[-1:] == (VD,) and s[:-1] in ((B * S,), (B, S))]
     # The same recorder sees them on the full path (negative control).
-    with _Shapes() as rec:
+    with OpRecorder() as rec:
         run(*batch, trim="none", rowmap=rm)
     assert (B * S, VD) in rec.shapes
 
