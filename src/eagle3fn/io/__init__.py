@@ -1,0 +1,1 @@
+"""Side effects live here: target models, chat data, feature caches, checkpoints."""
