@@ -1,0 +1,125 @@
+"""Offline feature cache: identical to the online features, resumable after a kill."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3fn.io.cache import FeatureCache, bytes_per_token, write_cache
+from eagle3fn.shapes import Features
+
+AUX = (0, 1, 2)
+N_BATCHES = 5
+
+
+def tiny_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(N_BATCHES):
+        attention = torch.ones(2, 10, dtype=torch.long)
+        attention[1, 7:] = 0
+        yield {"input_ids": torch.randint(0, 97, (2, 10), generator=g) * attention,
+               "attention_mask": attention,
+               "loss_mask": (torch.rand(2, 10, generator=g) < 0.5) & attention.bool()}
+
+
+def features_fn(model):
+    @torch.no_grad()
+    def run(batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_hidden_states=True)
+        hs = out.hidden_states
+        return Features(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        aux=torch.cat([hs[i + 1] for i in AUX], dim=-1), final_hidden=hs[-1],
+                        target_head=model.lm_head.weight.detach())
+    return run
+
+
+META = {"target": "tiny-llama", "aux_layer_ids": list(AUX)}
+
+
+def test_cached_batches_equal_the_online_ones(tmp_path):
+    model = tiny_target()
+    online = features_fn(model)
+    manifest = write_cache(tmp_path, batches(), online, meta=META, dtype=torch.float32, log=lambda s: None)
+    assert manifest["complete"] and len(manifest["shards"]) == N_BATCHES
+    cache = FeatureCache(tmp_path)
+    assert len(cache) == N_BATCHES
+    for batch, cached in zip(batches(), cache):
+        want = online(batch)
+        for field in ("input_ids", "aux", "final_hidden", "target_head"):
+            assert torch.equal(getattr(cached.features, field), getattr(want, field)), field
+        assert torch.equal(cached.features.attention_mask, batch["attention_mask"])
+        assert torch.equal(cached.loss_mask, batch["loss_mask"])
+    # A rank reads only its own shards (here: rank 1 of 2).
+    mine = FeatureCache(tmp_path, shards=range(1, N_BATCHES, 2))
+    assert len(mine) == 2 and torch.equal(mine[1].features.aux, cache[3].features.aux)
+    # Negative control: the comparison sees a one-layer shift of the aux features.
+    shifted = torch.cat([model(input_ids=batch["input_ids"], output_hidden_states=True)
+                         .hidden_states[i] for i in AUX], dim=-1)
+    assert not torch.equal(cache[N_BATCHES - 1].features.aux, shifted)
+
+
+def test_bf16_storage_and_size_estimate(tmp_path):
+    write_cache(tmp_path, batches(), features_fn(tiny_target()), meta=META, log=lambda s: None)
+    shard = load_file(str(tmp_path / "shard-000000.safetensors"))
+    assert shard["aux"].dtype == torch.bfloat16 and shard["aux"].shape == (2, 10, 96)
+    per_token = bytes_per_token(32)
+    assert per_token == 4 * 32 * 2 + 10
+    payload = sum(t.numel() * t.element_size() for t in shard.values())
+    assert payload == per_token * 2 * 10
+
+
+def _killed_run(out_dir):
+    """Writes shards until the third batch, then dies without cleanup (like a kill)."""
+    run = features_fn(tiny_target())
+    calls = []
+
+    def dying(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os._exit(17)
+        return run(batch)
+    write_cache(out_dir, batches(), dying, meta=META, log=lambda s: None)
+
+
+def test_killed_run_resumes_losing_only_the_shard_in_flight(tmp_path):
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    here = pathlib.Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(here)!r}); "
+                           f"import test_cache; test_cache._killed_run({str(killed)!r})"])
+    assert proc.returncode == 17
+    assert sorted(p.name for p in killed.glob("shard-*")) == ["shard-000000.safetensors",
+                                                              "shard-000001.safetensors"]
+    with pytest.raises(ValueError, match="unfinished cache"):
+        FeatureCache(killed)
+    run = features_fn(tiny_target())
+    calls = []
+    write_cache(killed, batches(), lambda b: calls.append(1) or run(b), meta=META, log=lambda s: None)
+    assert len(calls) == N_BATCHES - 2  # the two finished shards were not recomputed
+    write_cache(clean, batches(), run, meta=META, log=lambda s: None)
+    for name in sorted(p.name for p in clean.glob("*.safetensors")):
+        a, b = load_file(str(killed / name)), load_file(str(clean / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert not list(killed.glob("*.tmp"))
+
+
+def test_bad_caches_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a feature cache"):
+        FeatureCache(tmp_path)
+    run = features_fn(tiny_target())
+    write_cache(tmp_path, batches(), run, meta=META, log=lambda s: None)
+    with pytest.raises(ValueError, match="other settings"):
+        write_cache(tmp_path, batches(), run, meta={**META, "target": "other"}, log=lambda s: None)
