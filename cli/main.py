@@ -11,6 +11,7 @@ import torch
 import tyro
 
 import eagle3fn
+from eagle3fn.cli import data
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
@@ -120,6 +121,8 @@ def version(args: VersionArgs) -> None:
 
 
 COMMANDS = {"rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
+            "vocab": (data.VocabArgs, data.vocab), "prepare": (data.PrepareArgs, data.prepare),
+            "regenerate": (data.RegenerateArgs, data.regenerate),
             "version": (VersionArgs, version)}
 
 

@@ -20,6 +20,15 @@ FLAGS = {
                "--density", "--pattern", "--seeds", "--dtype", "--loss.step-weight-decay",
                "--loss.normalization", "--loss.objective", "--loss.kl-scale",
                "--loss.kl-decay"},
+    "vocab": {"--model.path", "--model.gguf-file", "--model.dtype", "--model.device", "--data.path",
+              "--data.max-length", "--data.on-error", "--draft-vocab-size", "--vocab-size", "--out"},
+    "prepare": {"--model.path", "--model.gguf-file", "--model.dtype", "--model.device", "--data.path",
+                "--data.max-length", "--data.on-error", "--out", "--batch-size", "--aux-layer-ids",
+                "--storage"},
+    "regenerate": {"--model.path", "--model.gguf-file", "--model.dtype", "--model.device",
+                   "--data.path", "--data.max-length", "--data.on-error", "--out",
+                   "--generation.max-new-tokens", "--generation.temperature", "--generation.top-p",
+                   "--generation.batch-size", "--generation.seed"},
     "version": set(),
 }
 

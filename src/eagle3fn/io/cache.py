@@ -183,3 +183,30 @@ class FeatureCache:
 
     def __iter__(self) -> Iterator[CachedBatch]:
         return (self[i] for i in range(len(self)))
+
+
+def prepare(target, examples, out_dir: str | os.PathLike, *, batch_size: int, pad_token_id: int,
+            meta: dict, dtype: torch.dtype = torch.bfloat16,
+            log: Callable[[str], None] = print) -> dict:
+    """Run ``target`` (an ``io.target.TargetModel``) over tokenized ``examples`` once and
+    write the cache, printing its estimated size first.
+
+    Batches are cut in file order (no shuffling: a resumed run must see the same
+    batches); training shuffles shards. Returns the manifest.
+    """
+    from eagle3fn.io.data import batches, collate
+    from eagle3fn.io.target import target_features
+
+    groups = list(batches(examples, batch_size=batch_size, seed=0, shuffle=False))
+    padded = sum(len(g) * max(len(e) for e in g) for g in groups)
+    size = padded * bytes_per_token(target.hidden_size, dtype)
+    log(f"{len(examples)} examples -> {len(groups)} shards, {padded} padded tokens, "
+        f"about {size / 2**30:.2f} GiB in {out_dir}")
+    device = next(target.model.parameters()).device
+
+    def features_fn(batch):
+        return target_features(target, batch["input_ids"].to(device),
+                               batch["attention_mask"].to(device))
+
+    return write_cache(out_dir, (collate(g, pad_token_id) for g in groups), features_fn,
+                       meta=meta, dtype=dtype, log=log)

@@ -1,0 +1,87 @@
+"""`eagle3fn vocab`, `prepare` and `regenerate` end to end on a tiny saved target."""
+
+import json
+
+import pytest
+import torch
+
+from eagle3fn.cli.main import main
+from eagle3fn.io.cache import FeatureCache
+from eagle3fn.io.data import collate, tokenize_file
+from eagle3fn.io.target import load_target, target_features
+from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+from eagle3fn.io.vocab_io import load_vocab_map
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "what is the weather"},
+                  {"role": "assistant", "content": "sunny and warm today"}]},
+    {"conversations": [{"from": "human", "value": "say hello"},
+                       {"from": "gpt", "value": "hello there friend"},
+                       {"from": "human", "value": "again"},
+                       {"from": "gpt", "value": "hello hello"}]},
+    {"messages": [{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": "count to three"},
+                  {"role": "assistant", "content": "one two three"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("cli")
+    tok = tiny_chat_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return d
+
+
+def test_vocab_writes_a_map_of_the_supervised_tokens(workdir, capsys):
+    out = workdir / "vocab.safetensors"
+    main(["vocab", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--draft-vocab-size", "40", "--out", str(out)])
+    assert "wrote" in capsys.readouterr().out
+    tok = tiny_chat_tokenizer()
+    d2t, t2d = load_vocab_map(out, vocab_size=len(tok), draft_vocab_size=40)
+    examples = tokenize_file(workdir / "chat.jsonl", tok, max_length=2048)
+    supervised = {int(i) for e in examples for i in e.input_ids[e.loss_mask]}
+    assert len(supervised) <= 40 and supervised <= set(t2d.nonzero().flatten().tolist())
+
+
+def test_prepare_writes_the_online_features_and_resumes(workdir, capsys):
+    out = workdir / "cache"
+    args = ["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+            "--out", str(out), "--batch-size", "2", "--storage", "float32"]
+    main(args)
+    printed = capsys.readouterr().out
+    assert "2 shards" in printed and "GiB" in printed
+    tok = tiny_chat_tokenizer()
+    target = load_target(workdir / "model")
+    examples = tokenize_file(workdir / "chat.jsonl", tok, max_length=2048)
+    cache = FeatureCache(out)
+    assert len(cache) == 2
+    for group, cached in zip([examples[:2], examples[2:]], cache):
+        batch = collate(group, tok.pad_token_id)
+        want = target_features(target, batch["input_ids"], batch["attention_mask"])
+        assert torch.equal(cached.features.aux, want.aux)
+        assert torch.equal(cached.features.final_hidden, want.final_hidden)
+        assert torch.equal(cached.loss_mask, batch["loss_mask"])
+    main(args)  # a second run finds every shard done
+    assert "wrote shard" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="other settings"):
+        main(args[:-2] + ["--storage", "bfloat16"])
+
+
+def test_regenerate_keeps_prompts(workdir, capsys):
+    out = workdir / "regen.jsonl"
+    main(["regenerate", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(out), "--generation.max-new-tokens", "4"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3
+    assert rows[1]["messages"][2] == {"role": "user", "content": "again"}
+    assert [m["role"] for m in rows[1]["messages"]] == ["user", "assistant", "user", "assistant"]
