@@ -57,3 +57,15 @@ def test_batched_regeneration_equals_one_by_one(tmp_path):
     n = write_jsonl(tmp_path / "out.jsonl", new)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert n == 2 and rows[0]["messages"] == new[0]
+
+
+def test_sampling_is_seeded():
+    tok = tiny_chat_tokenizer()
+    model = tiny_model(len(tok))
+    cfg = GenerationConfig(max_new_tokens=8, temperature=1.5, top_p=0.95, seed=3)
+    a = regenerate(CONVS, model, tok, cfg)
+    b = regenerate(CONVS, model, tok, cfg)
+    c = regenerate(CONVS, model, tok, GenerationConfig(max_new_tokens=8, temperature=1.5, seed=4))
+    greedy = regenerate(CONVS, model, tok, GenerationConfig(max_new_tokens=8))
+    assert a == b
+    assert a != c or a != greedy  # sampling actually samples
