@@ -15,6 +15,7 @@ from eagle3fn.cli import data
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
+from eagle3fn.train.config import TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -120,7 +121,13 @@ def version(args: VersionArgs) -> None:
     print(eagle3fn.__version__)
 
 
-COMMANDS = {"rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
+def train(args: TrainConfig) -> None:
+    from eagle3fn.train.loop import train as run
+
+    run(args)
+
+
+COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
             "vocab": (data.VocabArgs, data.vocab), "prepare": (data.PrepareArgs, data.prepare),
             "regenerate": (data.RegenerateArgs, data.regenerate),
             "version": (VersionArgs, version)}

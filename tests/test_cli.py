@@ -29,6 +29,13 @@ FLAGS = {
                    "--data.path", "--data.max-length", "--data.on-error", "--out",
                    "--generation.max-new-tokens", "--generation.temperature", "--generation.top-p",
                    "--generation.batch-size", "--generation.seed"},
+    "train": {"--model", "--gguf-file", "--data", "--cache", "--out-dir", "--vocab-map",
+              "--draft-vocab-size", "--aux-layer-ids", "--max-length", "--on-error", "--ttt-length",
+              "--trim", "--trim-loss-positions", "--no-trim-loss-positions",
+              "--loss.step-weight-decay", "--loss.normalization", "--loss.objective",
+              "--loss.kl-scale", "--loss.kl-decay", "--lr", "--warmup-ratio", "--weight-decay",
+              "--grad-clip", "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--seed",
+              "--save-every", "--log-every", "--device"},
     "version": set(),
 }
 
@@ -37,7 +44,7 @@ def help_flags(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = capsys.readouterr().out
-    return set(re.findall(r"(--[a-z][a-z0-9.-]+)", text)) - {"--help"}
+    return set(re.findall(r"(--[a-z][a-z0-9.-]*[a-z0-9])", text)) - {"--help"}
 
 
 @pytest.mark.parametrize("command", sorted(FLAGS))

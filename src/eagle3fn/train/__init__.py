@@ -1,0 +1,1 @@
+"""The training product: config, state (checkpoints), and the explicit loop."""

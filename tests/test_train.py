@@ -1,0 +1,108 @@
+"""The training loop: resume continues the same curve, offline == online, flags, errors."""
+
+import json
+
+import pytest
+import torch
+
+from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.loop import CHECKPOINT, METRICS, train
+
+WORDS = "the weather is sunny warm cold today tomorrow hello friend count one two three".split()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("train")
+    tok = tiny_chat_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
+            for _ in range(8)]
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def config(workdir, out, **kw):
+    base = dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
+                draft_vocab_size=64, batch_size=2, epochs=2, ttt_length=3, save_every=2, lr=1e-3,
+                trim_loss_positions=True)
+    return TrainConfig(**{**base, **kw})
+
+
+def final_params(out):
+    return torch.load(out / CHECKPOINT, weights_only=False)["params"]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_continues_the_same_curve(workdir, tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    train(config(workdir, whole), log=lambda s: None)
+
+    def die(step):
+        if step == 5:  # after step 5's metrics; the last checkpoint is step 4
+            raise Interrupted
+    with pytest.raises(Interrupted):
+        train(config(workdir, broken), log=lambda s: None, on_step=die)
+    assert torch.load(broken / CHECKPOINT, weights_only=False)["step"] == 4
+    train(config(workdir, broken), log=lambda s: None)
+    a, b = final_params(whole), final_params(broken)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    curve = lambda out: [json.loads(r) for r in (out / METRICS).read_text().splitlines()]  # noqa: E731
+    rows_a, rows_b = curve(whole), curve(broken)
+    assert [r["step"] for r in rows_a] == list(range(1, 9))
+    assert [(r["step"], r["loss"]) for r in rows_a] == [(r["step"], r["loss"]) for r in rows_b]
+    assert rows_a[-1]["loss"] < rows_a[0]["loss"]  # it learns something
+    # Negative control: a different seed gives a different curve.
+    other = tmp_path / "other"
+    train(config(workdir, other, seed=1, epochs=1), log=lambda s: None)
+    assert curve(other)[0]["loss"] != rows_a[0]["loss"]
+
+
+def test_offline_cache_trains_like_online(workdir, tmp_path):
+    from eagle3fn.cli.main import main
+
+    cache = tmp_path / "cache"
+    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(cache), "--batch-size", "2", "--storage", "float32"])
+    train(config(workdir, tmp_path / "online", epochs=1), log=lambda s: None)
+    train(config(workdir, tmp_path / "offline", epochs=1, cache=str(cache)), log=lambda s: None)
+    a, b = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_trim_none_and_loss_train_the_same(workdir, tmp_path):
+    train(config(workdir, tmp_path / "loss", epochs=1), log=lambda s: None)
+    train(config(workdir, tmp_path / "none", epochs=1, trim_loss_positions=False), log=lambda s: None)
+    a, b = final_params(tmp_path / "loss"), final_params(tmp_path / "none")
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-6)
+
+
+def test_flags_and_bad_checkpoints_are_clear(workdir, tmp_path):
+    assert config(workdir, tmp_path).trim_mode == "loss"
+    assert config(workdir, tmp_path, trim_loss_positions=False).trim_mode == "none"
+    with pytest.raises(ValueError, match="contradicts"):
+        config(workdir, tmp_path, trim="none")
+    with pytest.raises(ValueError, match="--model and --data"):
+        TrainConfig(out_dir=str(tmp_path))
+    out = tmp_path / "corrupt"
+    out.mkdir()
+    (out / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable eagle3fn checkpoint"):
+        train(config(workdir, out, epochs=1), log=lambda s: None)
+    good = tmp_path / "good"
+    train(config(workdir, good, epochs=1, max_steps=1), log=lambda s: None)
+    with pytest.raises(ValueError, match="other settings"):
+        train(config(workdir, good, epochs=1, lr=5e-4), log=lambda s: None)
