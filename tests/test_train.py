@@ -64,6 +64,8 @@ def test_resume_continues_the_same_curve(workdir, tmp_path):
     assert [r["step"] for r in rows_a] == list(range(1, 9))
     assert [(r["step"], r["loss"]) for r in rows_a] == [(r["step"], r["loss"]) for r in rows_b]
     assert rows_a[-1]["loss"] < rows_a[0]["loss"]  # it learns something
+    png = (whole / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 640
     # Negative control: a different seed gives a different curve.
     other = tmp_path / "other"
     train(config(workdir, other, seed=1, epochs=1), log=lambda s: None)

@@ -1,5 +1,8 @@
 """The training loop, explicit: batches -> features -> row map -> TTT -> AdamW step.
 
+Writes ``metrics.jsonl`` (one row per logged step: loss, per-step kl/acc/accept, tau,
+lr, grad norm, tokens/s) and ``loss.png`` (``plot.plot_metrics``) in ``out_dir``.
+
 fp32 master weights; on CUDA the step computes with bf16 copies (the gradient flows
 back to the masters through the cast). Checkpoints hold the masters, the optimizer,
 the step, the data position and the RNG state; ``train`` resumes from the latest one
@@ -23,6 +26,7 @@ from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, Objective
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.plot import plot_metrics
 from eagle3fn.ttt import TTTConfig, ttt
 
 CHECKPOINT = "checkpoint.pt"
@@ -254,4 +258,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
             if step >= total or pos == 0:
                 break
     save()
+    if (out / METRICS).exists():
+        plot_metrics(out / METRICS, out / "loss.png")
     return last
