@@ -13,7 +13,9 @@ class TrainConfig:
     """Train an EAGLE-3 draft for a target, online (target in-process) or offline (cache)."""
 
     model: str = ""
-    """Local HF target directory (online mode, and for the tokenizer / draft shape)."""
+    """Local HF target directory (online mode, and for the tokenizer / draft shape).
+    With neither --model nor --data nor --cache: the embedded default, SmolLM2-135M-
+    Instruct on the bundled demo conversations."""
     gguf_file: str | None = None
     """GGUF file inside ``model`` to load from."""
     data: str = ""
@@ -70,10 +72,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.trim is not None and self.trim_loss_positions and self.trim != "loss":
             raise ValueError(f"--trim {self.trim} contradicts --trim-loss-positions; pass one")
-        if not self.cache and not (self.model and self.data):
-            raise ValueError("give --model and --data (online), or --cache (offline)")
+        if not self.embedded_default and not self.cache and not (self.model and self.data):
+            raise ValueError("give --model and --data (online), --model and --cache (offline), "
+                             "or none of them for the embedded default")
         if self.grad_accum < 1 or self.batch_size < 1:
             raise ValueError("batch_size and grad_accum must be >= 1")
+
+    @property
+    def embedded_default(self) -> bool:
+        """No target or data given: train the bundled SmolLM2 demo."""
+        return not (self.model or self.data or self.cache)
 
     @property
     def trim_mode(self) -> str:

@@ -169,6 +169,12 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
 
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
+    if cfg.embedded_default:
+        from eagle3fn.demo import demo_data_path
+        from eagle3fn.io.smollm2 import smollm2_path
+
+        cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()))
+        log(f"embedded default: target {cfg.model}, data {cfg.data}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     out = Path(cfg.out_dir)
@@ -260,4 +266,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
     save()
     if (out / METRICS).exists():
         plot_metrics(out / METRICS, out / "loss.png")
+    if last:
+        log(f"done: {step} steps in {time.perf_counter() - t0:.0f} s; last loss {last['loss']:.4f}, "
+            f"acc per step {[round(a, 2) for a in last['acc']]}, simulated tau {last['tau']:.2f}; "
+            f"{out / CHECKPOINT}, {out / METRICS}, {out / 'loss.png'}")
     return last
