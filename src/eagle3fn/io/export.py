@@ -1,0 +1,328 @@
+"""Export a trained draft as a directory that SGLang and vLLM load as an EAGLE-3 draft.
+
+Legend: V target vocab, Vd draft vocab, H draft hidden, Ht target hidden, N target
+decoder layers. Aux layer ids are output-of-layer ids (``io/target.py``).
+
+Layout (docs/export.md gives every key and how each engine reads it)::
+
+    config.json          LlamaConfig-style dict: architectures ["LlamaForCausalLMEagle3"],
+                         sizes, draft_vocab_size, target_hidden_size, rope fields,
+                         eagle_config.eagle_aux_hidden_state_layer_ids = ids       (SGLang)
+                         eagle_aux_hidden_state_layer_ids              = ids + 1   (vLLM)
+    model.safetensors    fc, [fc_norm.*], midlayer.*, norm, lm_head in ``dtype``;
+                         d2t int64 [Vd], t2d bool [V]; no embed_tokens (the engines
+                         share the target's) unless H != Ht
+
+Both files are written to temporary names and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig
+from eagle3fn.vocab import validate_vocab_map
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+EMBEDDING = "embed_tokens.weight"
+DEFAULT_MAX_POSITIONS = 2048
+"""``max_position_embeddings`` without a target config or a scaled RoPE; pass the
+target's config so the draft's rotary cache covers the target's context."""
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Keys of HF's rope_scaling dict that each RopeConfig type uses.
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim"),
+}
+
+
+def rope_scaling_dict(rope: RopeConfig) -> dict | None:
+    """HF ``rope_scaling`` of a RopeConfig (None for ``default``): ``rope_type`` plus
+    the fields that type reads, all explicit (SpecForge has no yarn defaults)."""
+    if rope.rope_type == "default":
+        return None
+    fields = {k: getattr(rope, k) for k in _ROPE_KEYS[rope.rope_type]}
+    return {"rope_type": rope.rope_type, **fields}
+
+
+def _text_config(target_config: dict | None) -> dict:
+    if not target_config:
+        return {}
+    return target_config.get("text_config") or target_config
+
+
+def _check_aux_ids(aux_layer_ids, num_layers: int | None) -> tuple[int, int, int]:
+    try:
+        ids = tuple(operator.index(i) for i in aux_layer_ids)
+    except TypeError:
+        ids = ()
+    top = num_layers - 2 if num_layers is not None else None
+    if (len(ids) != 3 or not all(a < b for a, b in zip(ids, ids[1:])) or ids[0] < 0
+            or (top is not None and ids[-1] > top)):
+        where = f"in [0, {top}] for a {num_layers}-layer target" if top is not None else ">= 0"
+        raise ValueError(
+            f"aux_layer_ids={list(aux_layer_ids)} must be three strictly increasing "
+            f"output-of-layer ids {where}; pass the ids the draft was trained with "
+            "(eagle3fn.io.target.default_aux_layer_ids gives the defaults)"
+        )
+    return ids  # type: ignore[return-value]
+
+
+def expected_shapes(cfg: DraftConfig, *, with_embedding: bool) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the exported weights (``Eagle3Draft``'s names)."""
+    with torch.device("meta"):
+        skeleton = Eagle3Draft(cfg)
+    return {n: tuple(p.shape) for n, p in skeleton.named_parameters()
+            if with_embedding or n != EMBEDDING}
+
+
+def _needs_embedding(cfg: DraftConfig) -> bool:
+    # SGLang shares the target's embedding only when H == Ht (LlamaForCausalLM.set_embed);
+    # a draft of another width must ship its own.
+    return cfg.hidden_size != cfg.ht
+
+
+def draft_config_dict(cfg: DraftConfig, aux_layer_ids: tuple[int, int, int], *,
+                      max_position_embeddings: int, dtype: torch.dtype) -> dict:
+    """The ``config.json`` dict of a draft (see the module docstring)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.d,
+        "num_hidden_layers": 1,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.ht,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": float(cfg.rope.theta),
+        "rope_scaling": rope_scaling_dict(cfg.rope),
+        "max_position_embeddings": int(max_position_embeddings),
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "pretraining_tp": 1,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+        # vLLM reads this key first and captures *before* layer i: ids + 1.
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layer_ids],
+    }
+    if cfg.fc_norm:
+        config["fc_norm"] = True
+    if not cfg.norm_output:
+        config["norm_output"] = False
+    return config
+
+
+def export_draft(
+    out_dir: str | os.PathLike,
+    params: dict[str, torch.Tensor],
+    cfg: DraftConfig,
+    *,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    aux_layer_ids: tuple[int, int, int],
+    target_config: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of an EAGLE-3 draft to ``out_dir``.
+
+    Args:
+        params: draft parameters by ``Eagle3Draft`` name (``init_params`` / training);
+            ``embed_tokens.weight`` is dropped (the serving engine shares the target's)
+            unless the draft's width differs from the target's (H != Ht), where it is
+            required and exported.
+        cfg: the draft's config; its sizes, rope and toggles go to config.json.
+        d2t: int64 ``[Vd]``; t2d: bool ``[V]`` (checked with ``validate_vocab_map``).
+        aux_layer_ids: the three output-of-layer ids the draft was trained on.
+        target_config: the target's HF config dict (``text_config`` used when present):
+            checks ``hidden_size == Ht``, ``vocab_size == V`` and the aux ids against
+            ``num_hidden_layers``; its ``max_position_embeddings`` is copied (else
+            ``original * factor`` for llama3 / yarn RoPE, else ``DEFAULT_MAX_POSITIONS``).
+        dtype: dtype of the float weights (d2t / t2d keep theirs).
+
+    Returns:
+        ``out_dir`` as a Path. Warns (UserWarning) where an engine would silently run
+        something else: fc_norm / norm_output off (neither engine implements them) and
+        aux ids whose first id is not 1 (SGLang versions disagree on their convention).
+    """
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+    text = _text_config(target_config)
+    ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
+    for key, ours in (("hidden_size", cfg.ht), ("vocab_size", cfg.vocab_size)):
+        if key in text and int(text[key]) != ours:
+            raise ValueError(
+                f"target_config {key}={text[key]} but the draft config has "
+                f"{'target_hidden_size' if key == 'hidden_size' else key}={ours}; "
+                "pass the config of the target the draft was trained on"
+            )
+    validate_vocab_map(d2t, t2d, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size)
+
+    expected = expected_shapes(cfg, with_embedding=_needs_embedding(cfg))
+    tensors = {k: v for k, v in params.items() if k in expected}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(params) - set(expected) - {EMBEDDING})
+    if missing or unexpected:
+        hint = (" (a draft with hidden_size != target_hidden_size exports its own "
+                "embed_tokens.weight)" if EMBEDDING in missing else "")
+        raise ValueError(
+            f"params do not match the draft config: missing {missing}, unexpected "
+            f"{unexpected}{hint}; pass the parameters of eagle3fn.draft.init_params(cfg)"
+        )
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(
+                f"params[{name!r}] has shape {tuple(t.shape)}, the draft config needs "
+                f"{expected[name]}"
+            )
+
+    if cfg.fc_norm or not cfg.norm_output:
+        warnings.warn(
+            "fc_norm / norm_output=False are written to config.json, but SGLang's and "
+            "vLLM's llama_eagle3.py implement neither (SGLang drops fc_norm.* weights "
+            "silently, vLLM rejects them); only SpecForge and eagle3fn load this draft "
+            "as trained", UserWarning, stacklevel=2)
+    if ids[0] != 1:
+        warnings.warn(
+            f"aux_layer_ids={list(ids)} do not start at 1: SGLang before PR #25454 adds 1 "
+            "to eagle_config's ids, later SGLang adds 1 only when the first id is 1, so "
+            "SGLang versions capture different layers for this export (vLLM reads the "
+            "unambiguous top-level ids); see docs/export.md", UserWarning, stacklevel=2)
+
+    rope = cfg.rope
+    if "max_position_embeddings" in text:
+        max_positions = int(text["max_position_embeddings"])
+    elif rope.rope_type in ("llama3", "yarn"):
+        max_positions = int(rope.original_max_position_embeddings * rope.factor)
+    else:
+        max_positions = DEFAULT_MAX_POSITIONS
+    config = draft_config_dict(cfg, ids, max_position_embeddings=max_positions, dtype=dtype)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
+    weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(weights, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS)
+    tmp = out / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / CONFIG)
+    return out
+
+
+def draft_config_from_dict(config: dict) -> DraftConfig:
+    """The DraftConfig of an exported ``config.json`` dict (head_dim and
+    target_hidden_size explicit)."""
+    return DraftConfig(
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=int(config["num_attention_heads"]),
+        num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+        vocab_size=int(config["vocab_size"]),
+        draft_vocab_size=int(config["draft_vocab_size"]),
+        head_dim=int(config.get("head_dim")
+                     or config["hidden_size"] // config["num_attention_heads"]),
+        target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
+        rms_norm_eps=float(config["rms_norm_eps"]),
+        rope=RopeConfig.from_hf(float(config.get("rope_theta", 10000.0)),
+                                config.get("rope_scaling")),
+        fc_norm=bool(config.get("fc_norm", False)),
+        norm_output=bool(config.get("norm_output", True)),
+    )
+
+
+def load_export(
+    path: str | os.PathLike,
+) -> tuple[dict[str, torch.Tensor], DraftConfig, torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """Read an ``export_draft`` directory back: ``(params, cfg, d2t, t2d, aux_layer_ids)``.
+
+    ``params`` are the stored tensors (export dtype), without ``embed_tokens.weight``
+    unless the export has one (copy the target's: ``init_params(cfg, embed_tokens=...)``
+    or ``params[...] = embedding``). ``aux_layer_ids`` are output-of-layer ids
+    (``eagle_config``). Raises FileNotFoundError for a missing directory or file and
+    ValueError, naming the file, for a config or tensor that does not match.
+    """
+    root = Path(path)
+    config_path, weights_path = root / CONFIG, root / WEIGHTS
+    for p in (config_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"{str(p)!r} not found; an export directory holds {CONFIG} and {WEIGHTS} "
+                "written by eagle3fn.io.export.export_draft (`eagle3fn export`)"
+            )
+    try:
+        config = json.loads(config_path.read_text())
+        if config.get("architectures") != [ARCHITECTURE]:
+            raise ValueError(f"architectures is {config.get('architectures')!r}, "
+                             f"expected [{ARCHITECTURE!r}]")
+        if config.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"num_hidden_layers is {config['num_hidden_layers']}; "
+                             "eagle3fn drafts have one layer")
+        eagle = config.get("eagle_config") or {}
+        if "eagle_aux_hidden_state_layer_ids" not in eagle:
+            raise ValueError("eagle_config.eagle_aux_hidden_state_layer_ids is missing")
+        ids = _check_aux_ids(eagle["eagle_aux_hidden_state_layer_ids"], None)
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        if top is not None and list(top) != [i + 1 for i in ids]:
+            raise ValueError(
+                f"top-level eagle_aux_hidden_state_layer_ids={list(top)} (vLLM, capture "
+                f"before layer i) disagrees with eagle_config's {list(ids)} (output of "
+                "layer i): they must differ by exactly 1"
+            )
+        cfg = draft_config_from_dict(config)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{str(config_path)!r}: missing or malformed field {e}") from None
+    except (ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(config_path)!r}: {e}") from None
+
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            stored = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{str(weights_path)!r} is not a safetensors file ({e})") from None
+    try:
+        for key in ("d2t", "t2d"):
+            if key not in stored:
+                raise ValueError(f"tensor {key!r} is missing")
+        d2t, t2d = stored.pop("d2t").long(), stored.pop("t2d")
+        validate_vocab_map(d2t, t2d, vocab_size=cfg.vocab_size,
+                           draft_vocab_size=cfg.draft_vocab_size)
+        expected = expected_shapes(cfg, with_embedding=EMBEDDING in stored
+                                   or _needs_embedding(cfg))
+        missing = sorted(set(expected) - set(stored))
+        unexpected = sorted(set(stored) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"tensors missing {missing}, unexpected {unexpected} for the "
+                             f"draft described by {CONFIG}")
+        for name, t in stored.items():
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, {CONFIG} "
+                                 f"implies {expected[name]}")
+    except ValueError as e:
+        raise ValueError(f"{str(weights_path)!r}: {e}") from None
+    return stored, cfg, d2t, t2d, ids
