@@ -11,7 +11,7 @@ import torch
 import tyro
 
 import eagle3fn
-from eagle3fn.cli import data
+from eagle3fn.cli import data, run
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
@@ -130,6 +130,7 @@ def train(args: TrainConfig) -> None:
 COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
             "vocab": (data.VocabArgs, data.vocab), "prepare": (data.PrepareArgs, data.prepare),
             "regenerate": (data.RegenerateArgs, data.regenerate),
+            "export": (run.ExportArgs, run.export), "eval": (run.EvalArgs, run.evaluate),
             "version": (VersionArgs, version)}
 
 

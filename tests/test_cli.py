@@ -36,6 +36,8 @@ FLAGS = {
               "--loss.kl-scale", "--loss.kl-decay", "--lr", "--warmup-ratio", "--weight-decay",
               "--grad-clip", "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--seed",
               "--save-every", "--log-every", "--device"},
+    "export": {"--run", "--out", "--dtype"},
+    "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature"},
     "version": set(),
 }
 

