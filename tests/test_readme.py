@@ -17,7 +17,7 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2, commands
     main_job, tests = commands
     assert "\n" not in main_job and "\n" not in tests
-    assert main_job.rstrip().endswith("eagle3fn verify")
+    assert main_job.rstrip().endswith("eagle3fn train --trim-loss-positions")
     assert "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci, "the README test command must appear verbatim in .ci/run"
