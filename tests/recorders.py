@@ -1,4 +1,4 @@
-"""Dispatch-level recorders the tests use to see which tensors an op sequence creates."""
+"""Shared test helpers: a dispatch-level op recorder and a tiny saved target."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,3 +19,20 @@ class OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.shapes.append(tuple(t.shape))
         return out
+
+
+def save_tiny_target(path) -> "object":
+    """Save a tiny 8-layer Llama target and the tiny chat tokenizer to ``path``; returns
+    the tokenizer. Default aux ids for 8 layers: (1, 3, 4)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+
+    tok = tiny_chat_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return tok

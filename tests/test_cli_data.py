@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from recorders import save_tiny_target
 
 from eagle3fn.cli.main import main
 from eagle3fn.io.cache import FeatureCache
@@ -27,16 +28,8 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("cli")
-    tok = tiny_chat_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-                      pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(d / "model")
-    tok.save_pretrained(d / "model")
+    save_tiny_target(d / "model")
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return d
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from recorders import save_tiny_target
 
 from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
 from eagle3fn.train.config import TrainConfig
@@ -14,15 +15,8 @@ WORDS = "the weather is sunny warm cold today tomorrow hello friend count one tw
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("train")
-    tok = tiny_chat_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(d / "model")
-    tok.save_pretrained(d / "model")
+    save_tiny_target(d / "model")
     g = torch.Generator().manual_seed(0)
     pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
     rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
