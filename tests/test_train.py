@@ -6,7 +6,6 @@ import pytest
 import torch
 from recorders import save_tiny_target
 
-from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.loop import CHECKPOINT, METRICS, train
 
