@@ -122,9 +122,11 @@ def version(args: VersionArgs) -> None:
 
 
 def train(args: TrainConfig) -> None:
-    from eagle3fn.train.loop import train as run
+    from eagle3fn.train.loop import train as run_training
 
-    run(args)
+    run_training(args)
+    if args.embedded_default:  # the demo ends with a real speculative-decoding check
+        run.evaluate(run.EvalArgs(run=args.out_dir, num_prompts=4, max_new_tokens=32))
 
 
 COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),

@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
         from eagle3fn.io.smollm2 import smollm2_path
 
         # A CPU-sized demo: fields still at their class defaults get demo values.
-        demo = {"draft_vocab_size": 8192, "max_length": 512}
+        demo = {"draft_vocab_size": 8192, "max_length": 512, "lr": 1e-3, "epochs": 3}
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()),
                                   **{k: v for k, v in demo.items() if getattr(cfg, k) == defaults[k]})
