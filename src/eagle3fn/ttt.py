@@ -18,10 +18,11 @@ lm_head, loss and metrics only at ``rows_j``; the backbone still runs every row.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from eagle3fn.align import shift_left
 from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, head_logits, rope_cos_sin
 from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
-from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
+from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
 
 Trim = Literal["none", "loss"]
@@ -75,6 +76,25 @@ class TTTConfig:
             raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
             raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What a distributed run plugs into ``ttt`` (built by ``eagle3fn.parallel``; this
+    module never imports ``torch.distributed``).
+
+    Fields:
+        attend: ``(q [B, h, C, d], keys, valid [B, C]) -> [B, h, C, d]``, the EAGLE-3
+            attention of one step with the step-0 keys of every earlier rank of the
+            sequence (``eager_attention``'s contract, keys spanning ranks).
+        reduce_terms: per-step ``StepTerms`` -> the same with every field summed over all
+            ranks in value, while gradients flow only to this rank's sums.
+        denominator: the ``local_mean`` divisor ``sum over ranks of B*C``.
+    """
+
+    attend: Callable[[torch.Tensor, list, torch.Tensor], torch.Tensor] | None
+    reduce_terms: Callable[[Sequence[StepTerms]], list[StepTerms]]
+    denominator: int | torch.Tensor
 
 
 @functools.lru_cache(maxsize=8)
@@ -197,16 +217,17 @@ def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
 
 
 def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
-             attention: AttentionImpl = "eager") -> list[torch.Tensor]:
+             attention: AttentionImpl = "eager", attend=None) -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
 
-    Runs inside ``functional_call`` (``draft`` holds the parameters).
+    Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
+    (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
     """
     if attention == "auto":
         attention = "flex" if features.aux.is_cuda else "eager"
-    if attention == "flex":
+    if attend is None and attention == "flex":
         attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
-    else:
+    elif attend is None:
         attend = eager_attention
     cfg, layer = draft.cfg, draft.midlayer
     attn = layer.self_attn
@@ -247,8 +268,11 @@ class _Unrolled(torch.nn.Module):
         self.draft = draft
 
     def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
-                table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None):
-        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length, config.attention)
+                table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
+                collectives: Collectives | None = None):
+        attend = collectives.attend if collectives is not None else None
+        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length, config.attention,
+                        attend=attend)
         impl = config.loss_impl
         if impl == "auto":
             impl = "triton" if features.aux.is_cuda else "torch"
@@ -269,6 +293,14 @@ class _Unrolled(torch.nn.Module):
                 logits = self.draft.head(flat)  # [B*C, Vd]
                 table_rows, row_mask = _dense_step(rowmap, j, supervised_flat)
             terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask, **kwargs))
+        if collectives is not None:
+            # One zero-weighted dummy row per step keeps every step's output in the graph
+            # on every rank (a rank whose step is dead still joins that step's backward
+            # collectives, so no rank waits forever).
+            dummy = [0 * out.flatten(0, 1)[:1].sum() for out in outs]
+            terms = [dataclasses.replace(t, loss_sum=t.loss_sum + z, accept_sum=t.accept_sum + z,
+                                         log_accept_sum=t.log_accept_sum + z)
+                     for t, z in zip(terms, dummy)]
         return terms
 
 
@@ -294,7 +326,8 @@ def _teacher(features: Features, read_U: torch.Tensor, config: TTTConfig,
 
 
 def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
-        *, d2t: torch.Tensor, t2d: torch.Tensor) -> Objective:
+        *, d2t: torch.Tensor, t2d: torch.Tensor,
+        collectives: Collectives | None = None) -> Objective:
     """The TTT objective and per-step metrics of one batch (differentiable in params).
 
     Args:
@@ -303,6 +336,9 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         rowmap: ``rowmap.build_rowmap(supervised_mask, k)`` of this batch.
         config: ``TTTConfig``; ``config.trim`` picks the full or the trimmed path.
         d2t, t2d: the vocab map.
+        collectives: under data/sequence parallelism (``eagle3fn.parallel``): the
+            cross-rank attention and the reduction of the per-step sums. ``features``
+            and ``rowmap`` are then this rank's (``C`` own rows + a ``k`` tail).
 
     Returns:
         ``Objective`` (``objective`` 0-d, per-step ``[k]`` losses and metrics, tau).
@@ -332,6 +368,8 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
     module = _Unrolled(skeleton(config.draft))
     named = {f"draft.{k}": v for k, v in params.items()}
     terms = torch.func.functional_call(
-        module, named, (features, rowmap, config, table, d2t, supervised_flat)
+        module, named, (features, rowmap, config, table, d2t, supervised_flat, collectives)
     )
-    return objective(terms, rowmap.denominator, config.loss)
+    if collectives is None:
+        return objective(terms, rowmap.denominator, config.loss)
+    return objective(collectives.reduce_terms(terms), collectives.denominator, config.loss)

@@ -1,0 +1,327 @@
+"""Sequence parallelism (SPEC section 7): the split, the cross-rank step-0 attention
+(ring P2P with log-sum-exp merge, Ulysses all-to-all, and their product) and the
+reduction of the per-step sums.
+
+Legend: B batch, L global padded length, sp sequence-parallel degree, C = ceil(L/sp)
+own rows per rank, k TTT length, T = C + k local buffer, h query heads, g kv heads,
+d head dim, u Ulysses degree, R ring degree.
+
+Rank ``r`` owns positions ``[r*C, (r+1)*C)`` and holds the next k (the overlap tail,
+zero past L): tail positions teach its rows at deeper steps but never emit rows
+(``build_rowmap(..., num_rows=C)``). The backbone runs on own rows; at every step the
+queries attend to the step-0 keys of all earlier positions (other ranks' too, at
+global RoPE positions) plus their own diagonal keys, which never leave the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from eagle3fn.parallel.mesh import Layout
+from eagle3fn.shapes import Features, StepTerms
+from eagle3fn.ttt import Collectives
+
+
+def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_rank: int,
+                   ttt_length: int) -> tuple[Features, torch.Tensor, int]:
+    """This rank's chunk of a batch: own positions ``[r*C, (r+1)*C)`` plus a k tail.
+
+    Args:
+        features: the whole batch, ``[B, L, ...]`` (``target_head`` is shared).
+        supervised_BL: bool ``[B, L]``, ``align.supervised_mask`` of the whole batch
+            (computed before the split: the last-token rule needs the global length).
+        sp, sp_rank: sequence-parallel degree and this rank's chunk.
+        ttt_length: k.
+
+    Returns:
+        ``(features [B, T, ...], supervised [B, T], C)`` with ``T = C + k``; positions
+        past L are zeros (ids, features, attention mask, supervision) and RoPE
+        positions are global.
+    """
+    B, L = features.input_ids.shape
+    if sp < 1 or not 0 <= sp_rank < sp:
+        raise ValueError(f"sp_rank must be in [0, sp={sp}), got {sp_rank}")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    C = -(-L // sp)
+    T = C + ttt_length
+    start = sp_rank * C
+
+    def take(x):
+        if x is None:
+            return None
+        x = x[:, start:start + T]
+        short = T - x.shape[1]
+        if short:
+            x = torch.cat([x, x.new_zeros((B, short) + tuple(x.shape[2:]))], dim=1)
+        return x
+
+    positions = features.positions
+    if positions is None:
+        positions = torch.arange(L, device=features.input_ids.device).expand(B, -1)
+    last = positions[:, -1:]
+    extended = torch.cat([positions, last + torch.arange(1, T + 1, device=last.device)], dim=1)
+    local = Features(
+        input_ids=take(features.input_ids),
+        aux=take(features.aux),
+        attention_mask=take(features.attention_mask),
+        target_logits=take(features.target_logits),
+        final_hidden=take(features.final_hidden),
+        target_head=features.target_head,
+        positions=extended[:, start:start + T],
+    )
+    return local, take(supervised_BL), C
+
+
+# ---- differentiable collectives -------------------------------------------------
+
+def _global(group, index: int) -> int:
+    return dist.get_global_rank(group, index)
+
+
+def _shift(x: torch.Tensor, group, send_to: int, recv_from: int) -> torch.Tensor:
+    """Send ``x`` to group rank ``send_to`` and receive a like tensor from ``recv_from``."""
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), _global(group, send_to), group),
+           dist.P2POp(dist.irecv, out, _global(group, recv_from), group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+class _RingPass(torch.autograd.Function):
+    """``blocks[t]`` = ``x`` of ring rank ``(r - t) mod R`` for ``t < R`` (one P2P hop
+    per t). Backward sends each block's gradient back along the ring to its owner."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        R, r = dist.get_world_size(group), dist.get_rank(group)
+        blocks, current = [x.view_as(x)], x
+        for _ in range(1, R):
+            current = _shift(current, group, (r + 1) % R, (r - 1) % R)
+            blocks.append(current)
+        return tuple(blocks)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        R, r = dist.get_world_size(group), dist.get_rank(group)
+        # After m hops acc holds the gradient, from ranks r..r+m, of the block owned by
+        # rank r+m+1; after R-1 hops, of this rank's own block from every rank.
+        acc = grads[R - 1].contiguous()
+        for m in range(1, R):
+            acc = _shift(acc, group, (r - 1) % R, (r + 1) % R) + grads[R - 1 - m]
+        return acc, None
+
+
+def ring_pass(x: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
+    """Every ring rank's ``x``: entry t is ring rank ``(r - t) mod R``'s (differentiable)."""
+    return _RingPass.apply(x, group)
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    u = dist.get_world_size(group)
+    B, n, C, d = x.shape
+    send = x.reshape(B, u, n // u, C, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, n // u, u * C, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    u = dist.get_world_size(group)
+    B, m, S, d = y.shape
+    C = S // u
+    send = y.reshape(B, m, u, C, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(B, u * m, C, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """Ulysses all-to-all ``[B, n, C, d]`` (sequence-sharded) -> ``[B, n/u, u*C, d]``
+    (head-sharded); its adjoint is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """The inverse of ``_SeqToHeads``."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def _all_gather_seq(x_BC: torch.Tensor, group) -> torch.Tensor:
+    """``[B, C]`` (no grad) -> ``[B, u*C]`` in group-rank order."""
+    parts = [torch.empty_like(x_BC) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x_BC.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+# ---- attention ----------------------------------------------------------------------
+
+def _partial_attention(q, k, v, allowed, diag=()):
+    """Attention of ``q [B, h, S, d]`` over ``k, v [B, h, Sk, d]`` where ``allowed``
+    (broadcast to ``[B, h, S, Sk]``), plus per-row diagonal keys ``diag`` (pairs of
+    ``[B, h, S, d]``). Returns ``(out [B, h, S, d], lse [B, h, S])``; softmax in fp32
+    (fp64 for fp64), as ``ttt.eager_attention``."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    extra = [((q * kd).sum(-1) * scale)[..., None] for kd, _ in diag]
+    scores = torch.cat([scores, *extra], dim=-1).to(acc)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(q.dtype)
+    Sk = k.shape[2]
+    out = probs[..., :Sk] @ v
+    for i, (_, vd) in enumerate(diag):
+        out = out + probs[..., Sk + i, None] * vd
+    return out, lse
+
+
+class SequenceParallelAttention:
+    """``Collectives.attend`` for one batch: the EAGLE-3 step attention with the
+    sequence split over ``layout.ulysses * layout.ring`` ranks.
+
+    Ulysses: queries and keys go head-sharded over the Ulysses group's super-chunk of
+    ``u*C`` rows (all-to-all), attend there, and come back. Ring: the step-0 keys and
+    values of the super-chunk pass around the ring once per batch (they are the same
+    at every step); each step's queries attend to the blocks of earlier ring ranks in
+    full, to their own block causally plus their diagonal keys, and the partial
+    results merge by log-sum-exp. Create one per ``ttt`` call (it keeps the step-0
+    keys between steps).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._valid = None
+        self._ring = None
+
+    def _to_heads(self, x):
+        if self.layout.ulysses == 1:
+            return x
+        return _SeqToHeads.apply(x, self.layout.group("ulysses"))
+
+    def __call__(self, q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
+                 valid_BC: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        B, h, C, d = q.shape
+        g = keys[0][0].shape[1]
+        u = lay.ulysses
+        if h % u:
+            raise ValueError(f"{h} query heads do not divide by --parallel.ulysses {u}; pick a "
+                             "Ulysses degree that divides the draft's num_heads")
+        # kv heads split with their query heads when they divide by u; else repeat them.
+        rep = 1 if g % u == 0 else h // g
+        for k, v in keys[len(self._keys):]:
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            self._keys.append((self._to_heads(k), self._to_heads(v)))
+        if self._valid is None:
+            valid = valid_BC.bool()
+            self._valid = valid if u == 1 else _all_gather_seq(valid, lay.group("ulysses"))
+            if lay.ring > 1:
+                k0, v0 = self._keys[0]
+                blocks = ring_pass(torch.stack([k0, v0]), lay.group("ring"))
+                # The own block is read from the pass's output 0, so every rank's graph
+                # holds the pass and every rank joins its backward.
+                self._keys[0] = (blocks[0][0], blocks[0][1])
+                valids = [self._valid]
+                current = self._valid
+                for _ in range(1, lay.ring):  # masks follow the same hops, no gradient
+                    current = _shift(current.to(torch.uint8), lay.group("ring"),
+                                     (lay.ring_rank + 1) % lay.ring,
+                                     (lay.ring_rank - 1) % lay.ring).bool()
+                    valids.append(current)
+                self._ring = list(zip(blocks, valids))
+        qh = self._to_heads(q)
+        hq, S = qh.shape[1], qh.shape[2]
+        expand = lambda x: x.repeat_interleave(hq // x.shape[1], dim=1)  # noqa: E731
+        k0, v0 = self._keys[0]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        allowed = causal[None, None] & self._valid[:, None, None, :]
+        diag = [(expand(k), expand(v)) for k, v in self._keys[1:]]
+        out, lse = _partial_attention(qh, expand(k0), expand(v0), allowed, diag)
+        # Ring rank r sees ranks r-1, ..., 0 in full (hops 1..r); later ranks are future.
+        for t in range(1, lay.ring_rank + 1):
+            kv, valid = self._ring[t]
+            o_t, lse_t = _partial_attention(qh, expand(kv[0]), expand(kv[1]),
+                                            valid[:, None, None, :])
+            total = torch.logaddexp(lse, lse_t)
+            out = (torch.exp(lse - total)[..., None].to(out.dtype) * out
+                   + torch.exp(lse_t - total)[..., None].to(out.dtype) * o_t)
+            lse = total
+        if u == 1:
+            return out
+        return _HeadsToSeq.apply(out, lay.group("ulysses"))
+
+
+# ---- reduction of the per-step sums ---------------------------------------------
+
+_SUMS = ("loss_sum", "accept_sum", "log_accept_sum")
+_COUNTS = ("correct", "rows", "gated")
+
+
+def reduce_terms(terms: Sequence[StepTerms], group=None) -> list[StepTerms]:
+    """Per-step sums with every field summed over ``group``'s ranks (default: all).
+
+    Values are global; gradients reach only this rank's own sums (``local +
+    (global - local).detach()``), so each rank's backward yields its share of the
+    one-rank gradient and summing the ranks' parameter gradients gives all of it,
+    for any objective (the LK ones are non-linear in the sums too).
+    """
+    sums = torch.stack([getattr(t, f).detach() for t in terms for f in _SUMS])
+    counts = torch.stack([getattr(t, f).detach().to(torch.int64) for t in terms for f in _COUNTS])
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(counts, group=group)
+    out = []
+    for j, t in enumerate(terms):
+        fields = {f: getattr(t, f) + (sums[j * 3 + i] - getattr(t, f)).detach()
+                  for i, f in enumerate(_SUMS)}
+        fields.update({f: counts[j * 3 + i].to(getattr(t, f).dtype) for i, f in enumerate(_COUNTS)})
+        out.append(dataclasses.replace(t, **fields))
+    return out
+
+
+def collectives(layout: Layout, denominator: int, device: torch.device) -> Collectives:
+    """The ``Collectives`` of one batch: cross-rank attention when the sequence is
+    split, the sums reduced over every rank, and the global ``local_mean`` divisor
+    (``denominator`` = this rank's ``B*C``, summed over ranks)."""
+    total = torch.tensor(denominator, dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    attend = SequenceParallelAttention(layout) if layout.sp > 1 else None
+    return Collectives(attend=attend, reduce_terms=reduce_terms, denominator=total)
+
+
+def pad_for_sp(x: torch.Tensor, sp: int, dim: int = 1) -> torch.Tensor:
+    """Right-pad ``dim`` with zeros to a multiple of ``sp`` (the one-rank reference of a
+    sequence-parallel run is the batch padded to ``sp*C``, SPEC section 5)."""
+    L = x.shape[dim]
+    extra = -(-L // sp) * sp - L
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - dim - 1) + [0, extra]
+    return F.pad(x, pad)
