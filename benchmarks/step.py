@@ -28,7 +28,7 @@ from eagle3fn.shapes import Features
 from eagle3fn.ttt import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
-Mode = Literal["specforge", "none", "loss"]
+Mode = Literal["specforge", "none", "loss", "loss-mesh"]
 
 
 @dataclass(kw_only=True)
@@ -42,7 +42,9 @@ class BenchArgs:
     pattern: Literal["tail", "scattered"] = "tail"
     """Contiguous tail (prompt-heavy chat) or scattered at random."""
     modes: tuple[Mode, ...] = ("none", "loss", "specforge")
-    """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none, trim=loss."""
+    """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none, trim=loss;
+    ``loss-mesh``: trim=loss through ``eagle3fn.parallel`` on a one-process group
+    (DTensor-sharded params gathered, sums all-reduced, gradients reduce-scattered)."""
     warmup: int = 2
     """Untimed steps first."""
     iters: int = 6
@@ -108,6 +110,30 @@ def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
         out = ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
         out.objective.backward()
         for p in params.values():
+            p.grad = None
+        return out
+    return step
+
+
+def mesh_step(args, cfg, params, features, loss_mask, d2t, t2d):
+    """trim=loss with the distributed code active on a one-process group."""
+    from eagle3fn.parallel import (ParallelConfig, build_layout, collectives, gather,
+                                   init_distributed, reduce_grads, shard)
+
+    device = torch.device("cuda")
+    init_distributed(device)
+    layout = build_layout(ParallelConfig(), device)
+    sharded = shard(params, layout)
+    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim="loss", attention="flex")
+
+    def step():
+        rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
+        whole = gather(sharded)
+        out = ttt(whole, features, rm, config, d2t=d2t, t2d=t2d,
+                  collectives=collectives(layout, rm.denominator, device))
+        out.objective.backward()
+        reduce_grads(sharded, whole)
+        for p in sharded.values():
             p.grad = None
         return out
     return step
@@ -190,6 +216,8 @@ def main(args: BenchArgs) -> None:
         for mode in args.modes:
             if mode == "specforge":
                 step = specforge_step(args, cfg, params, features, loss_mask, d2t, t2d)
+            elif mode == "loss-mesh":
+                step = mesh_step(args, cfg, params, features, loss_mask, d2t, t2d)
             else:
                 step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
             try:

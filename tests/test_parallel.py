@@ -89,3 +89,38 @@ def test_config_errors():
         ParallelConfig(ring=0)
     assert ParallelConfig(ring=2, ulysses=2).sp == 4
     assert callable(ring_pass)
+
+
+def test_one_process_mesh_path_equals_plain_path():
+    """The single-process path with the mesh code active (what one GPU runs under
+    torchrun --nproc-per-node 1) gives the plain path's numbers bitwise."""
+    import torch.distributed as dist
+    from parallel_cases import CFG, K, global_batch
+
+    from eagle3fn.parallel import build_layout, collectives, full, gather, init_distributed, reduce_grads, shard
+    from eagle3fn.rowmap import build_rowmap
+    from eagle3fn.ttt import TTTConfig, ttt
+
+    features, supervised, params, d2t, t2d = global_batch("random30", 2, 1)
+    rowmap = build_rowmap(supervised, K)
+    config = TTTConfig(draft=CFG, ttt_length=K, trim="loss", attention="eager")
+    plain = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+    want = ttt(plain, features, rowmap, config, d2t=d2t, t2d=t2d)
+    want.objective.backward()
+    init_distributed(torch.device("cpu"))
+    try:
+        layout = build_layout(ParallelConfig(), torch.device("cpu"))
+        sharded = shard({n: p.detach().clone().requires_grad_(p.requires_grad)
+                         for n, p in params.items()}, layout)
+        whole = gather(sharded)
+        got = ttt(whole, features, rowmap, config, d2t=d2t, t2d=t2d,
+                  collectives=collectives(layout, rowmap.denominator, torch.device("cpu")))
+        got.objective.backward()
+        reduce_grads(sharded, whole)
+        assert torch.equal(got.objective, want.objective) and torch.equal(got.acc, want.acc)
+        grads = full({n: p.grad for n, p in sharded.items() if p.requires_grad})
+        assert all(torch.equal(grads[n], plain[n].grad) for n in grads)
+        with pytest.raises(ValueError, match="not divisible"):
+            build_layout(ParallelConfig(ring=2), torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
