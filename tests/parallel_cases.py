@@ -27,6 +27,9 @@ CASES = [(f, f, "loss", LossConfig(), None) for f in FAMILIES] + [
     ("random30-token_mean", "random30", "loss", LossConfig(normalization="token_mean"), None),
     ("random30-lambda", "random30", "loss", LossConfig(objective="lambda"), None),
     ("random30-alpha", "random30", "loss", LossConfig(objective="alpha"), None),
+    ("random30-backbone", "random30", "backbone", LossConfig(), None),
+    ("straddle-backbone", "straddle", "backbone", LossConfig(), None),
+    ("one_rank_empty-backbone", "one_rank_empty", "backbone", LossConfig(), None),
     ("control-tail-twice", "random30", "loss", LossConfig(), "tail_twice"),
     ("control-local-denominator", "random30", "loss", LossConfig(), "local_denominator"),
 ]

@@ -33,7 +33,7 @@ from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
 
-Trim = Literal["none", "loss"]
+Trim = Literal["none", "loss", "backbone"]
 LossImpl = Literal["auto", "torch", "triton"]
 AttentionImpl = Literal["auto", "eager", "flex"]
 FLEX_BLOCK = 128
@@ -49,7 +49,10 @@ class TTTConfig:
     """k, the number of unrolled steps."""
     trim: Trim = "loss"
     """``none``: every row at every step (reference semantics). ``loss``: teacher,
-    head, loss and metrics only at the supervised rows of each step (exact)."""
+    head, loss and metrics only at the supervised rows of each step (exact).
+    ``backbone``: also the layer itself only where a loss needs it: step 0 computes
+    keys/values for every row and the rest for ``rows_0 | backbone_rows_1``, step
+    ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact)."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention over ``[step-0 keys ; diagonal keys]`` with a block-sparse
@@ -60,7 +63,7 @@ class TTTConfig:
     """Soft cross-entropy and metrics: ``torch`` (reference), ``triton`` (indexed
     kernels, any Vd), ``auto`` (triton on CUDA, torch elsewhere)."""
     fused_head: bool = True
-    """``trim="loss"``: run norm + lm_head + loss in row chunks and recompute the
+    """Trimmed paths: run norm + lm_head + loss in row chunks and recompute the
     logits in backward instead of keeping ``[n_j, Vd]`` (``loss.head_step_terms``)."""
     head_chunk_rows: int = 2048
     """Rows per chunk of the fused head (peak logits memory ``chunk * Vd``)."""
@@ -70,8 +73,8 @@ class TTTConfig:
     def __post_init__(self) -> None:
         if self.ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
-        if self.trim not in ("none", "loss"):
-            raise ValueError(f"trim must be 'none' or 'loss', got {self.trim!r}")
+        if self.trim not in ("none", "loss", "backbone"):
+            raise ValueError(f"trim must be 'none', 'loss' or 'backbone', got {self.trim!r}")
         if self.loss_impl not in ("auto", "torch", "triton"):
             raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
@@ -259,6 +262,96 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
     return outs
 
 
+def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
+    """Rows whose layer output ``trim="backbone"`` computes at each step (sorted flat
+    ``b*C + p``): ``rows_0 | backbone_rows_1`` at step 0, ``backbone_rows_j`` after.
+    Each is contained in the previous one, so a row's input feature and diagonal
+    keys are always there."""
+    if rowmap.ttt_length == 1:
+        return (rowmap.rows[0],)
+    first = torch.unique(torch.cat([rowmap.rows[0], rowmap.backbone_rows[1]]))
+    return (first,) + tuple(rowmap.backbone_rows[1:])
+
+
+def _attend_rows(attend, q_NhD: torch.Tensor, keys: list, valid_BC: torch.Tensor,
+                 rows_N: torch.Tensor) -> torch.Tensor:
+    """``attend`` for the queries of flat rows ``rows_N`` only: they are placed in a
+    zero ``[B, h, C, d]`` query (other rows' outputs are dropped), so every attention
+    path (eager, flex, sequence-parallel) serves the trimmed backbone unchanged."""
+    B, C = valid_BC.shape
+    N, h, d = q_NhD.shape
+    dense = q_NhD.new_zeros(B * C, h, d).index_copy(0, rows_N, q_NhD)
+    out = attend(dense.view(B, C, h, d).transpose(1, 2), keys, valid_BC)
+    return out.transpose(1, 2).reshape(B * C, h * d)[rows_N]
+
+
+def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
+                     rows: Sequence[torch.Tensor], attention: AttentionImpl = "eager",
+                     attend=None) -> list[torch.Tensor]:
+    """``backbone`` computing only the rows a later loss needs (``computed_rows``).
+
+    Step 0 computes keys and values for every own row (everyone's context) and the
+    query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
+    layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
+    and to their own diagonal keys of steps ``1..j`` (held in ``[B, g, C, d]`` with
+    zeros elsewhere, never read by another row).
+
+    Returns:
+        k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
+    """
+    if attention == "auto":
+        attention = "flex" if features.aux.is_cuda else "eager"
+    if attend is None and attention == "flex":
+        attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
+    elif attend is None:
+        attend = eager_attention
+    cfg, layer = draft.cfg, draft.midlayer
+    attn = layer.self_attn
+    C = num_rows
+    B = features.input_ids.shape[0]
+    ids_next = shift_left(features.input_ids)
+    positions = features.positions
+    if positions is None:
+        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
+    pos_flat = positions[:, :C].reshape(-1)
+    valid = features.attention_mask[:, :C].bool()
+    g_all = draft.project(features.aux[:, :C]).flatten(0, 1)  # [B*C, H]
+    heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
+    as_BgCd = lambda x: x.view(B, C, -1, cfg.d).transpose(1, 2)  # noqa: E731
+
+    def rope(x, idx, j):
+        cos, sin = rope_cos_sin(pos_flat[idx] + j, cfg.rope, cfg.d, x.dtype)
+        return apply_rope(x, cos[:, None], sin[:, None])
+
+    # Step 0: keys/values of every row; the rest only for rows[0].
+    emb = draft.embed_tokens(ids_next[:, :C]).flatten(0, 1).to(g_all.dtype)
+    u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_all)), dim=-1)
+    every = torch.arange(B * C, device=u.device)
+    k0 = rope(heads(attn.k_proj(u), cfg.num_kv_heads), every, 0)
+    keys = [(as_BgCd(k0), as_BgCd(heads(attn.v_proj(u), cfg.num_kv_heads)))]
+    r0 = rows[0]
+    q = rope(heads(attn.q_proj(u[r0]), cfg.num_heads), r0, 0)
+    r = g_all[r0] + attn.o_proj(_attend_rows(attend, q, keys, valid, r0))
+    out = r + layer.mlp(layer.post_attention_layernorm(r))
+    outs, prev_rows = [out], r0
+    for j in range(1, ttt_length):
+        rj = rows[j]
+        g = out[torch.searchsorted(prev_rows, rj)]
+        ids_j = shift_left(ids_next, j)[:, :C].reshape(-1)[rj]
+        u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
+                       layer.hidden_norm(g)), dim=-1)
+        q = rope(heads(attn.q_proj(u), cfg.num_heads), rj, j)
+        kv = [heads(attn.k_proj(u), cfg.num_kv_heads), heads(attn.v_proj(u), cfg.num_kv_heads)]
+        kv[0] = rope(kv[0], rj, j)
+        dense = [x.new_zeros(B * C, cfg.num_kv_heads, cfg.d).index_copy(0, rj, x) for x in kv]
+        keys.append((as_BgCd(dense[0]), as_BgCd(dense[1])))
+        r = g + attn.o_proj(_attend_rows(attend, q, keys, valid, rj))
+        out = r + layer.mlp(layer.post_attention_layernorm(r))
+        outs.append(out)
+        prev_rows = rj
+    return outs
+
+
 class _Unrolled(torch.nn.Module):
     """``forward`` = backbone + head + per-step terms, so one ``functional_call`` runs
     the whole differentiable part."""
@@ -271,23 +364,31 @@ class _Unrolled(torch.nn.Module):
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
                 collectives: Collectives | None = None):
         attend = collectives.attend if collectives is not None else None
-        outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length, config.attention,
-                        attend=attend)
+        if config.trim == "backbone":
+            computed = computed_rows(rowmap)
+            outs = trimmed_backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
+                                    computed, config.attention, attend=attend)
+            # rows_j inside the computed rows of step j (both sorted)
+            at = [torch.searchsorted(c, r) for c, r in zip(computed, rowmap.rows)]
+        else:
+            outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
+                            config.attention, attend=attend)
+            at = list(rowmap.rows)
         impl = config.loss_impl
         if impl == "auto":
             impl = "triton" if features.aux.is_cuda else "torch"
         kwargs = dict(impl=impl, accept_grad=config.loss.objective != "kl")
         terms = []
         for j, out in enumerate(outs):
-            flat = out.flatten(0, 1)  # [B*C, H]
-            if config.trim == "loss" and config.fused_head:
+            flat = out.flatten(0, -2)  # [B*C, H], or [n_j, H] computed rows
+            if config.trim != "none" and config.fused_head:
                 head = functools.partial(head_logits, cfg=self.draft.cfg)
                 terms.append(head_step_terms(
-                    flat[rowmap.rows[j]], head, self.draft.head_weights(), table,
+                    flat[at[j]], head, self.draft.head_weights(), table,
                     rowmap.table_rows[j], d2t, chunk_rows=config.head_chunk_rows, **kwargs))
                 continue
-            if config.trim == "loss":
-                logits = self.draft.head(flat[rowmap.rows[j]])  # [n_j, Vd]
+            if config.trim != "none":
+                logits = self.draft.head(flat[at[j]])  # [n_j, Vd]
                 table_rows, row_mask = rowmap.table_rows[j], None
             else:
                 logits = self.draft.head(flat)  # [B*C, Vd]
@@ -297,7 +398,7 @@ class _Unrolled(torch.nn.Module):
             # One zero-weighted dummy row per step keeps every step's output in the graph
             # on every rank (a rank whose step is dead still joins that step's backward
             # collectives, so no rank waits forever).
-            dummy = [0 * out.flatten(0, 1)[:1].sum() for out in outs]
+            dummy = [0 * out.flatten()[:1].sum() for out in outs]
             terms = [dataclasses.replace(t, loss_sum=t.loss_sum + z, accept_sum=t.accept_sum + z,
                                          log_accept_sum=t.log_accept_sum + z)
                      for t, z in zip(terms, dummy)]
@@ -356,7 +457,7 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
             "build the mask with align.supervised_mask (it never supervises t = L-1)"
         )
     supervised_flat = None
-    if config.trim == "loss":
+    if config.trim != "none":
         table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
     else:
         supervised_flat = torch.zeros(B * T, dtype=torch.bool, device=positions.device)

@@ -1,0 +1,109 @@
+"""trim="backbone" (SPEC 6): the layer runs only on the rows a later loss needs, and
+the result equals trim="none" (fp64 1e-10, fp32 SPEC 8); using rows_j instead of the
+union backbone_rows_j is caught; the scope is what SPEC 6 says."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_ttt import CFG, FAMILIES, K, S, assert_same, make_batch, run
+
+import eagle3fn.ttt as ttt_module
+from eagle3fn.align import supervised_mask
+from eagle3fn.loss import LossConfig
+from eagle3fn.rowmap import build_rowmap
+from eagle3fn.ttt import computed_rows, skeleton
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backbone_trim_equals_full_fp64(family, B):
+    batch = make_batch(family, B)
+    assert_same(run(*batch, trim="backbone"), run(*batch, trim="none"), 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("loss", [LossConfig(normalization="token_mean"), LossConfig(objective="alpha"),
+                                  LossConfig(objective="lambda")], ids=["token_mean", "alpha", "lambda"])
+def test_backbone_trim_other_objectives(loss):
+    batch = make_batch("random30", 3)
+    assert_same(run(*batch, trim="backbone", loss=loss), run(*batch, trim="none", loss=loss),
+                1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("family", ["random30", "tail", "single"])
+def test_backbone_trim_fp32_and_unfused_head(family):
+    f, lm, params, d2t, t2d = make_batch(family, 3, dtype=torch.float32)
+    f = dataclasses.replace(f, target_logits=f.target_logits.float())
+    p32 = {n: p.detach().float().requires_grad_(p.requires_grad) for n, p in params.items()}
+    full = run(f, lm, p32, d2t, t2d, trim="none")
+    assert_same(run(f, lm, p32, d2t, t2d, trim="backbone"), full, 1e-6, 1e-5)
+    assert_same(run(f, lm, p32, d2t, t2d, trim="backbone", fused_head=False), full, 1e-6, 1e-5)
+
+
+def test_streamed_teacher_and_length_one():
+    batch = make_batch("random30", 2, hidden_teacher=True)
+    assert_same(run(*batch, trim="backbone"), run(*batch, trim="none"), 1e-10, 1e-10)
+    f, lm, params, d2t, t2d = make_batch("random30", 2)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), 1)
+    results = []
+    for trim in ("backbone", "none"):
+        ps = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+        out = ttt_module.ttt(ps, f, rm, ttt_module.TTTConfig(draft=CFG, ttt_length=1, trim=trim),
+                             d2t=d2t, t2d=t2d)
+        out.objective.backward()
+        results.append((out, {n: p.grad for n, p in ps.items() if p.requires_grad}))
+    assert_same(*results, 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("family", ["random30", "tail"])
+def test_negative_control_rows_instead_of_union(family, monkeypatch):
+    """The closed SpecForge prototype's bug: computing rows_j instead of the union of
+    later rows. The same comparison must fail."""
+    batch = make_batch(family, 3)
+    full = run(*batch, trim="none")
+    monkeypatch.setattr(ttt_module, "computed_rows", lambda rm: rm.rows)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same(run(*batch, trim="backbone"), full, 1e-10, 1e-10)
+
+
+def test_computed_rows_are_nested_and_golden():
+    """SPEC 6 golden table row 2: backbone_rows = -, [1,2,3,6,7], [1,2,6]; step 0
+    computes rows_0 | backbone_rows_1."""
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, [0, 3, 4, 8]] = True
+    rm = build_rowmap(mask, 3)
+    got = [c.tolist() for c in computed_rows(rm)]
+    assert got == [[0, 1, 2, 3, 4, 6, 7, 8], [1, 2, 3, 6, 7], [1, 2, 6]]
+    for a, b in zip(got, got[1:]):
+        assert set(b) <= set(a)
+
+
+def test_scope_of_backbone_trimming():
+    """k_proj/v_proj see every row at step 0; q/o/MLP see rows_0 | backbone_rows_1 at
+    step 0 and backbone_rows_j after; the loss trim (negative control) sees B*S."""
+    B = 3
+    f, lm, params, d2t, t2d = batch = make_batch("tail", B)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    want = [c.numel() for c in computed_rows(rm)]
+    assert sum(want) < B * S * K
+    sk = skeleton(CFG)
+    names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.o_proj",
+             "midlayer.mlp.down_proj"]
+
+    def seen_rows(trim):
+        seen = {}
+        hooks = [sk.get_submodule(n).register_forward_hook(
+            lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
+            for n in names]
+        try:
+            run(*batch, trim=trim, rowmap=rm)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    seen = seen_rows("backbone")
+    assert seen["midlayer.self_attn.k_proj"] == [B * S] + want[1:]
+    for n in ("midlayer.self_attn.q_proj", "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj"):
+        assert seen[n] == want, n
+    assert seen_rows("loss")["midlayer.mlp.down_proj"] == [B * S] * K
