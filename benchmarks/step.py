@@ -28,7 +28,7 @@ from eagle3fn.shapes import Features
 from eagle3fn.ttt import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
-Mode = Literal["specforge", "none", "loss", "loss-mesh"]
+Mode = Literal["specforge", "none", "loss", "backbone", "auto", "loss-mesh"]
 
 
 @dataclass(kw_only=True)
@@ -37,12 +37,13 @@ class BenchArgs:
 
     seq_lens: tuple[int, ...] = (8192,)
     """Sequence lengths S to run."""
-    density: float = 0.3
-    """Fraction of supervised positions."""
-    pattern: Literal["tail", "scattered"] = "tail"
-    """Contiguous tail (prompt-heavy chat) or scattered at random."""
+    densities: tuple[float, ...] = (0.3,)
+    """Fractions of supervised positions to run."""
+    patterns: tuple[Literal["tail", "scattered"], ...] = ("tail",)
+    """Contiguous tail (prompt-heavy chat) and/or scattered at random."""
     modes: tuple[Mode, ...] = ("none", "loss", "specforge")
-    """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none, trim=loss;
+    """What to time: SpecForge 0.2.0 (flex attention), eagle3fn trim=none / loss /
+    backbone / auto;
     ``loss-mesh``: trim=loss through ``eagle3fn.parallel`` on a one-process group
     (DTensor-sharded params gathered, sums all-reduced, gradients reduce-scattered)."""
     warmup: int = 2
@@ -74,7 +75,7 @@ def matmul_tflops() -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 
 
-def make_inputs(args: BenchArgs, S: int):
+def make_inputs(args: BenchArgs, S: int, density: float, pattern: str):
     g = torch.Generator(device="cuda").manual_seed(S)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     counts = torch.randint(0, 10**6, (args.vocab,), generator=g, device="cuda")
@@ -82,10 +83,10 @@ def make_inputs(args: BenchArgs, S: int):
     head = torch.randn(args.vocab, args.hidden, generator=g, **bf) * 0.02
     head[t2d] *= 1.5
     pos = torch.arange(S, device="cuda")[None]
-    if args.pattern == "tail":
-        loss_mask = pos >= int(S * (1 - args.density))
+    if pattern == "tail":
+        loss_mask = pos >= int(S * (1 - density))
     else:
-        loss_mask = torch.rand(1, S, generator=g, device="cuda") < args.density
+        loss_mask = torch.rand(1, S, generator=g, device="cuda") < density
     features = Features(
         input_ids=torch.randint(0, args.vocab, (1, S), generator=g, device="cuda"),
         aux=torch.randn(1, S, 3 * args.hidden, generator=g, **bf),
@@ -208,38 +209,44 @@ def main(args: BenchArgs) -> None:
     cfg = draft_config(args)
     rows = []
     for S in args.seq_lens:
-        features, loss_mask, d2t, t2d = make_inputs(args, S)
         # detach: leaves on the GPU (a .to() of a CPU leaf would send every gradient
         # back to the host in backward).
         params = {n: p.detach().to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
                   for n, p in init_params(cfg, seed=0).items()}
-        for mode in args.modes:
-            if mode == "specforge":
-                step = specforge_step(args, cfg, params, features, loss_mask, d2t, t2d)
-            elif mode == "loss-mesh":
-                step = mesh_step(args, cfg, params, features, loss_mask, d2t, t2d)
-            else:
-                step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
-            try:
-                ms, gib = timed(step, args.warmup, args.iters)
-                if args.profile:
-                    profile_step(step, f"{args.profile}", f"S={S} mode={mode}")
-            except torch.OutOfMemoryError:
-                ms, gib = float("nan"), float("nan")
-            torch.cuda.empty_cache()
-            rows.append(dict(S=S, mode=mode, density=args.density, pattern=args.pattern,
-                             median_ms=round(ms, 2), peak_gib=round(gib, 2)))
-            print(rows[-1], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
-                           device=torch.cuda.get_device_name(), torch=torch.__version__), f, indent=1)
-    base = {r["S"]: r["median_ms"] for r in rows if r["mode"] == "specforge"}
-    print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s; {args.density:.0%} {args.pattern}")
-    print(f"{'S':>7} {'mode':>10} {'median ms':>10} {'peak GiB':>9} {'vs SpecForge':>13}")
+        for pattern in args.patterns:
+            for density in args.densities:
+                features, loss_mask, d2t, t2d = make_inputs(args, S, density, pattern)
+                for mode in args.modes:
+                    if mode == "specforge":
+                        step = specforge_step(args, cfg, params, features, loss_mask, d2t, t2d)
+                    elif mode == "loss-mesh":
+                        step = mesh_step(args, cfg, params, features, loss_mask, d2t, t2d)
+                    else:
+                        step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
+                    try:
+                        ms, gib = timed(step, args.warmup, args.iters)
+                        if args.profile:
+                            profile_step(step, f"{args.profile}", f"S={S} {density} {pattern} mode={mode}")
+                    except torch.OutOfMemoryError:
+                        ms, gib = float("nan"), float("nan")
+                    torch.cuda.empty_cache()
+                    rows.append(dict(S=S, mode=mode, density=density, pattern=pattern,
+                                     median_ms=round(ms, 2), peak_gib=round(gib, 2)))
+                    print(rows[-1], flush=True)
+                    if args.json:  # after every row: a killed run keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
+                                           device=torch.cuda.get_device_name(),
+                                           torch=torch.__version__), f, indent=1)
+    key = lambda r: (r["S"], r["density"], r["pattern"])  # noqa: E731
+    base = {key(r): r["median_ms"] for r in rows if r["mode"] == "specforge"}
+    print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s")
+    print(f"{'S':>7} {'density':>8} {'pattern':>10} {'mode':>10} {'median ms':>10} {'peak GiB':>9} "
+          f"{'vs SpecForge':>13}")
     for r in rows:
-        ratio = r["median_ms"] / base[r["S"]] if r["S"] in base else float("nan")
-        print(f"{r['S']:>7} {r['mode']:>10} {r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x")
+        ratio = r["median_ms"] / base[key(r)] if key(r) in base else float("nan")
+        print(f"{r['S']:>7} {r['density']:>8.0%} {r['pattern']:>10} {r['mode']:>10} "
+              f"{r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ def test_negative_control_rows_instead_of_union(family, monkeypatch):
     monkeypatch.setattr(ttt_module, "computed_rows", lambda rm: rm.rows)
     with pytest.raises(AssertionError, match="differs"):
         assert_same(run(*batch, trim="backbone"), full, 1e-10, 1e-10)
+    monkeypatch.undo()  # the same bug entering through the row map
+    rm = build_rowmap(supervised_mask(batch[1], batch[0].attention_mask), K)
+    wrong = dataclasses.replace(rm, backbone_rows=(rm.backbone_rows[0],) + rm.rows[1:])
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same(run(*batch, trim="backbone", rowmap=wrong), full, 1e-10, 1e-10)
 
 
 def test_computed_rows_are_nested_and_golden():
@@ -107,3 +112,80 @@ def test_scope_of_backbone_trimming():
     for n in ("midlayer.self_attn.q_proj", "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj"):
         assert seen[n] == want, n
     assert seen_rows("loss")["midlayer.mlp.down_proj"] == [B * S] * K
+
+
+def test_flex_backbone_forward_equals_eager_on_cpu():
+    """trim="backbone" through FlexAttention (uncompiled, forward only on CPU; query
+    blocks without a needed row skipped) against the exact path."""
+    f, lm, params, d2t, t2d = make_batch("tail", 3, dtype=torch.float32)
+    f = dataclasses.replace(f, target_logits=f.target_logits.float())
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    p32 = {n: p.detach().float() for n, p in params.items()}
+    out = {}
+    for attention in ("eager", "flex"):
+        config = ttt_module.TTTConfig(draft=CFG, ttt_length=K, trim="backbone", attention=attention)
+        with torch.no_grad():
+            out[attention] = ttt_module.ttt(p32, f, rm, config, d2t=d2t, t2d=t2d)
+    torch.testing.assert_close(out["flex"].kl_loss, out["eager"].kl_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out["flex"].acc, out["eager"].acc)
+
+
+def test_flex_skips_only_blocks_without_needed_rows():
+    """active_BC: rows in an active query block keep their exact output, and the block
+    lists (what the compiled GPU kernel reads; the CPU fallback evaluates the mask
+    densely) are create_block_mask's derivation with inactive query blocks emptied.
+    Negative control: the lists without skipping differ from the skipping ones."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from eagle3fn.ttt import FLEX_BLOCK, eagle_block_mask, eager_attention, flex_attention_step
+
+    g = torch.Generator().manual_seed(2)
+    B, h, gk, d, C, k = 2, 4, 2, 8, 3 * FLEX_BLOCK + 10, 3
+    lengths = torch.tensor([C, 2 * FLEX_BLOCK + 3])
+    valid = torch.arange(C)[None] < lengths[:, None]
+    q = torch.randn(B, h, C, d, generator=g)
+    keys = [(torch.randn(B, gk, C, d, generator=g), torch.randn(B, gk, C, d, generator=g))
+            for _ in range(2)]
+    active = torch.zeros(B, C, dtype=torch.bool)
+    active[0, FLEX_BLOCK + 5: FLEX_BLOCK + 40] = True  # one block of sample 0
+    active[1, 2 * FLEX_BLOCK + 1] = True
+    want = eager_attention(q, keys, valid)
+    got = flex_attention_step(q, keys, valid, ttt_length=k, active_BC=active)
+    for b in range(B):
+        torch.testing.assert_close(got[b][:, active[b]], want[b][:, active[b]], rtol=1e-5, atol=1e-5)
+
+    Cp = 4 * FLEX_BLOCK
+    valid_p = torch.arange(Cp)[None] < lengths[:, None]
+    active_n = torch.nn.functional.pad(active, (0, Cp - C)).view(B, 4, FLEX_BLOCK).any(-1)
+    for j in range(k):
+        def mask_mod(b, head, q_idx, kv_idx, j=j):
+            segment, offset = kv_idx // Cp, kv_idx % Cp
+            causal = (segment == 0) & (offset <= q_idx) & valid_p[b, offset]
+            return causal | ((segment > 0) & (segment <= j) & (offset == q_idx))
+
+        def skipped_mod(b, head, q_idx, kv_idx, j=j):
+            return mask_mod(b, head, q_idx, kv_idx) & active_n[b, q_idx // FLEX_BLOCK]
+
+        ours = eagle_block_mask(lengths, Cp, k, j, mask_mod, active_n)
+        dense = create_block_mask(skipped_mod, B, None, Cp, k * Cp, device="cpu")
+        assert torch.equal(ours.to_dense(), dense.to_dense()), j
+        assert not ours.to_dense()[~active_n[:, None].expand(-1, 1, -1)].any()
+        unskipped = eagle_block_mask(lengths, Cp, k, j, mask_mod)
+        assert not torch.equal(unskipped.to_dense(), ours.to_dense())
+
+
+def test_auto_picks_by_computed_rows_and_stays_exact():
+    """trim="auto": backbone when the computed layer rows are at most the calibrated
+    fraction of k*B*C, else loss; either way the one-rank full result."""
+    from eagle3fn.ttt import TTTConfig, choose_trim
+
+    for family in ("tail", "all", "empty"):
+        f, lm, params, d2t, t2d = batch = make_batch(family, 3)
+        rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+        fraction = sum(c.numel() for c in computed_rows(rm)) / (K * rm.denominator)
+        for theta, want in ((fraction, "backbone"), (fraction - 0.01, "loss")):
+            config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta)
+            assert choose_trim(rm, config) == want, (family, theta)
+            assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta),
+                        run(*batch, trim="none"), 1e-10, 1e-10)
+    assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="none")) == "none"

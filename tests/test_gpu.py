@@ -83,20 +83,22 @@ def ground_truth(batch):
     return run(batch, dtype=torch.float32, trim="none", attention="eager")
 
 
-def test_fp32_trimmed_flex_equals_full(batch, ground_truth):
+@pytest.mark.parametrize("trim", ["loss", "backbone"])
+def test_fp32_trimmed_flex_equals_full(batch, ground_truth, trim):
     G = ground_truth
     for attention in ("eager", "flex"):
-        T = run(batch, dtype=torch.float32, trim="loss", attention=attention)
+        T = run(batch, dtype=torch.float32, trim=trim, attention=attention)
         assert err(T[0].kl_loss, G[0].kl_loss) <= 1e-6, attention
         assert err(T[0].objective, G[0].objective) <= 1e-6, attention
         worst = max(err(T[1][n], G[1][n]) for n in G[1])
         assert worst <= 1e-5, (attention, worst)
 
 
-def test_bf16_rule(batch, ground_truth):
+@pytest.mark.parametrize("trim", ["loss", "backbone"])
+def test_bf16_rule(batch, ground_truth, trim):
     G = ground_truth
     F = run(batch, dtype=torch.bfloat16, trim="none", attention="flex")
-    T = run(batch, dtype=torch.bfloat16, trim="loss", attention="flex")
+    T = run(batch, dtype=torch.bfloat16, trim=trim, attention="flex")
     rows = []
     for j in range(K):
         rows.append((f"loss_{j}", err(T[0].kl_loss[j], G[0].kl_loss[j]), err(F[0].kl_loss[j], G[0].kl_loss[j])))
@@ -109,7 +111,9 @@ def test_bf16_rule(batch, ground_truth):
     # Negative control: the trimmed path on rows not shifted per step breaks the rule.
     features, params, rm, d2t, t2d = batch
     wrong = dataclasses.replace(rm, rows=(rm.rows[0],) * K, table_rows=(rm.table_rows[0],) * K)
-    W = run((features, params, wrong, d2t, t2d), dtype=torch.bfloat16, trim="loss", attention="flex")
+    if trim == "backbone":  # SPEC 6's control: rows_j instead of the union of later rows
+        wrong = dataclasses.replace(rm, backbone_rows=(rm.backbone_rows[0],) + rm.rows[1:])
+    W = run((features, params, wrong, d2t, t2d), dtype=torch.bfloat16, trim=trim, attention="flex")
     assert any(err(W[0].kl_loss[j], G[0].kl_loss[j]) > 1.5 * err(F[0].kl_loss[j], G[0].kl_loss[j]) + 1e-5
                for j in range(1, K))
 

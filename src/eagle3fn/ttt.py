@@ -33,7 +33,7 @@ from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
 
-Trim = Literal["none", "loss", "backbone"]
+Trim = Literal["none", "loss", "backbone", "auto"]
 LossImpl = Literal["auto", "torch", "triton"]
 AttentionImpl = Literal["auto", "eager", "flex"]
 FLEX_BLOCK = 128
@@ -52,7 +52,13 @@ class TTTConfig:
     head, loss and metrics only at the supervised rows of each step (exact).
     ``backbone``: also the layer itself only where a loss needs it: step 0 computes
     keys/values for every row and the rest for ``rows_0 | backbone_rows_1``, step
-    ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact)."""
+    ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact). ``auto``: per batch,
+    ``backbone`` when the rows it computes are at most ``auto_backbone_fraction`` of
+    all, else ``loss`` (``choose_trim``)."""
+    auto_backbone_fraction: float = 0.85
+    """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
+    trimmed backbone still beats the loss trim (calibrated on an H200 at 8B shapes,
+    docs/benchmarks.md)."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention over ``[step-0 keys ; diagonal keys]`` with a block-sparse
@@ -73,8 +79,8 @@ class TTTConfig:
     def __post_init__(self) -> None:
         if self.ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
-        if self.trim not in ("none", "loss", "backbone"):
-            raise ValueError(f"trim must be 'none', 'loss' or 'backbone', got {self.trim!r}")
+        if self.trim not in ("none", "loss", "backbone", "auto"):
+            raise ValueError(f"trim must be 'none', 'loss', 'backbone' or 'auto', got {self.trim!r}")
         if self.loss_impl not in ("auto", "torch", "triton"):
             raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
@@ -150,7 +156,7 @@ def _compiled_flex():
 
 
 def eagle_block_mask(lengths_B: torch.Tensor, padded_rows: int, ttt_length: int, step: int,
-                     mask_mod):
+                     mask_mod, active_Bn: torch.Tensor | None = None):
     """The EAGLE-3 TTT mask of step ``j = step`` as a hand-built FlexAttention BlockMask.
 
     Keys are k segments of ``padded_rows`` (a multiple of FLEX_BLOCK): segment 0 holds
@@ -159,7 +165,8 @@ def eagle_block_mask(lengths_B: torch.Tensor, padded_rows: int, ttt_length: int,
     Per query block m: full blocks = segment-0 blocks below the diagonal whose keys are
     all real; partial blocks (``mask_mod`` applies) = the segment-0 block holding the
     diagonal or the end of the sequence, then block m of segments 1..j. No dense
-    mask is ever evaluated.
+    mask is ever evaluated. ``active_Bn`` (bool ``[B, n]``): query blocks holding a
+    row that is needed; the others list no key block and are skipped.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -177,14 +184,18 @@ def eagle_block_mask(lengths_B: torch.Tensor, padded_rows: int, ttt_length: int,
     partial = F.pad(partial, (0, n * ttt_length - partial.shape[-1]))  # rows span all blocks
     full_idx = torch.arange(n * ttt_length, device=dev).expand(L.shape[0], n, -1)
     as_i32 = lambda x: x[:, None].to(torch.int32).contiguous()  # noqa: E731 - [B, 1, ...]
+    num_partial = has_edge.int() + step
+    if active_Bn is not None:
+        num_partial, full = num_partial * active_Bn, full * active_Bn
     return BlockMask.from_kv_blocks(
-        as_i32(has_edge.int() + step), as_i32(partial), as_i32(full), as_i32(full_idx),
+        as_i32(num_partial), as_i32(partial), as_i32(full), as_i32(full_idx),
         BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(padded_rows, padded_rows * ttt_length),
     )
 
 
 def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
-                        valid_BC: torch.Tensor, ttt_length: int | None = None) -> torch.Tensor:
+                        valid_BC: torch.Tensor, ttt_length: int | None = None,
+                        active_BC: torch.Tensor | None = None) -> torch.Tensor:
     """``eager_attention`` computed by FlexAttention (same arguments and result).
 
     Keys are laid out as ``ttt_length`` segments padded to a multiple of the block
@@ -192,7 +203,8 @@ def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
     at every step and one compiled kernel serves the whole unroll; the block mask
     (``eagle_block_mask``) lists only the causal and diagonal blocks. Compiled on
     CUDA; uncompiled (forward only) elsewhere. Right padding assumed: ``valid_BC``
-    is a prefix of ones per row.
+    is a prefix of ones per row. ``active_BC`` (bool ``[B, C]``): the query rows whose
+    output is used; query blocks without one are skipped (their output is zero).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -212,7 +224,10 @@ def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
         causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
         return causal | ((segment > 0) & (segment <= step) & (offset == q_idx))
 
-    block_mask = eagle_block_mask(valid_BC.sum(1), Cp, k_total, len(keys) - 1, mask_mod)
+    active = None
+    if active_BC is not None:
+        active = F.pad(active_BC, (0, Cp - C)).view(B, Cp // FLEX_BLOCK, FLEX_BLOCK).any(-1)
+    block_mask = eagle_block_mask(valid_BC.sum(1), Cp, k_total, len(keys) - 1, mask_mod, active)
     attend = _compiled_flex() if q.is_cuda else flex_attention
     out = attend(pad(q), k, v, block_mask=block_mask, scale=1.0 / math.sqrt(d),
                  enable_gqa=h != keys[0][0].shape[1])
@@ -273,15 +288,33 @@ def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
     return (first,) + tuple(rowmap.backbone_rows[1:])
 
 
+def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
+    """The path ``trim="auto"`` takes for this batch: ``backbone`` when the layer rows
+    it computes (``sum_j |computed_rows_j|``, keys/values of step 0 aside) are at most
+    ``config.auto_backbone_fraction`` of ``k*B*C``, else ``loss``. Uses tensor sizes
+    only (no device sync). Any other ``config.trim`` is returned as is."""
+    if config.trim != "auto":
+        return config.trim
+    total = rowmap.ttt_length * rowmap.batch_size * rowmap.num_rows
+    computed = sum(c.numel() for c in computed_rows(rowmap))
+    return "backbone" if computed <= config.auto_backbone_fraction * total else "loss"
+
+
 def _attend_rows(attend, q_NhD: torch.Tensor, keys: list, valid_BC: torch.Tensor,
-                 rows_N: torch.Tensor) -> torch.Tensor:
+                 rows_N: torch.Tensor, skip_blocks: bool = False) -> torch.Tensor:
     """``attend`` for the queries of flat rows ``rows_N`` only: they are placed in a
     zero ``[B, h, C, d]`` query (other rows' outputs are dropped), so every attention
-    path (eager, flex, sequence-parallel) serves the trimmed backbone unchanged."""
+    path (eager, flex, sequence-parallel) serves the trimmed backbone unchanged.
+    ``skip_blocks``: tell the flex path which rows are used, so query blocks without
+    one are skipped (a contiguous run of rows costs only its own blocks)."""
     B, C = valid_BC.shape
     N, h, d = q_NhD.shape
     dense = q_NhD.new_zeros(B * C, h, d).index_copy(0, rows_N, q_NhD)
-    out = attend(dense.view(B, C, h, d).transpose(1, 2), keys, valid_BC)
+    kwargs = {}
+    if skip_blocks:
+        active = torch.zeros(B * C, dtype=torch.bool, device=rows_N.device)
+        kwargs["active_BC"] = active.index_fill(0, rows_N, True).view(B, C)
+    out = attend(dense.view(B, C, h, d).transpose(1, 2), keys, valid_BC, **kwargs)
     return out.transpose(1, 2).reshape(B * C, h * d)[rows_N]
 
 
@@ -301,7 +334,8 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     """
     if attention == "auto":
         attention = "flex" if features.aux.is_cuda else "eager"
-    if attend is None and attention == "flex":
+    skip_blocks = attend is None and attention == "flex"
+    if skip_blocks:
         attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
     elif attend is None:
         attend = eager_attention
@@ -331,12 +365,14 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     keys = [(as_BgCd(k0), as_BgCd(heads(attn.v_proj(u), cfg.num_kv_heads)))]
     r0 = rows[0]
     q = rope(heads(attn.q_proj(u[r0]), cfg.num_heads), r0, 0)
-    r = g_all[r0] + attn.o_proj(_attend_rows(attend, q, keys, valid, r0))
+    r = g_all[r0] + attn.o_proj(_attend_rows(attend, q, keys, valid, r0, skip_blocks))
     out = r + layer.mlp(layer.post_attention_layernorm(r))
     outs, prev_rows = [out], r0
     for j in range(1, ttt_length):
         rj = rows[j]
-        g = out[torch.searchsorted(prev_rows, rj)]
+        # Clamped so a hand-made row map whose rows are not nested reads wrong rows
+        # (which the negative-control tests catch) instead of out of range.
+        g = out[torch.searchsorted(prev_rows, rj).clamp_max(max(prev_rows.numel() - 1, 0))]
         ids_j = shift_left(ids_next, j)[:, :C].reshape(-1)[rj]
         u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
                        layer.hidden_norm(g)), dim=-1)
@@ -345,7 +381,7 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
         kv[0] = rope(kv[0], rj, j)
         dense = [x.new_zeros(B * C, cfg.num_kv_heads, cfg.d).index_copy(0, rj, x) for x in kv]
         keys.append((as_BgCd(dense[0]), as_BgCd(dense[1])))
-        r = g + attn.o_proj(_attend_rows(attend, q, keys, valid, rj))
+        r = g + attn.o_proj(_attend_rows(attend, q, keys, valid, rj, skip_blocks))
         out = r + layer.mlp(layer.post_attention_layernorm(r))
         outs.append(out)
         prev_rows = rj
@@ -369,7 +405,8 @@ class _Unrolled(torch.nn.Module):
             outs = trimmed_backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
                                     computed, config.attention, attend=attend)
             # rows_j inside the computed rows of step j (both sorted)
-            at = [torch.searchsorted(c, r) for c, r in zip(computed, rowmap.rows)]
+            at = [torch.searchsorted(c, r).clamp_max(max(c.numel() - 1, 0))
+                  for c, r in zip(computed, rowmap.rows)]
         else:
             outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
                             config.attention, attend=attend)
@@ -456,6 +493,8 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
             "a teacher position is the last of its buffer, where z'[s] = z[s+1] is not held; "
             "build the mask with align.supervised_mask (it never supervises t = L-1)"
         )
+    if config.trim == "auto":
+        config = dataclasses.replace(config, trim=choose_trim(rowmap, config))
     supervised_flat = None
     if config.trim != "none":
         table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
