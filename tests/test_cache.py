@@ -123,3 +123,31 @@ def test_bad_caches_are_clear_errors(tmp_path):
     write_cache(tmp_path, batches(), run, meta=META, log=lambda s: None)
     with pytest.raises(ValueError, match="other settings"):
         write_cache(tmp_path, batches(), run, meta={**META, "target": "other"}, log=lambda s: None)
+
+
+def test_sequence_parallel_rank_reads_only_its_window(tmp_path):
+    """A rank reads aux/final_hidden only for its chunk + tail (a slice of the file), and
+    its local batch equals the one cut from the whole shard. Negative control: another
+    rank's window gives another batch."""
+    from eagle3fn.align import supervised_mask
+    from eagle3fn.parallel import chunk_window, shard_sequence
+
+    write_cache(tmp_path, batches(), features_fn(tiny_target()), meta=META, dtype=torch.float32,
+                log=lambda s: None)
+    cache = FeatureCache(tmp_path)
+    sp, k = 3, 2
+    for r in range(sp):
+        whole = cache[1]
+        L = whole.features.input_ids.shape[1]
+        sup = supervised_mask(whole.loss_mask, whole.features.attention_mask)
+        want, want_sup, _ = shard_sequence(whole.features, sup, sp, r, k)
+        window = chunk_window(L, sp, r, k)
+        part = cache.read(1, window)
+        assert part.features.aux.shape[1] == min(window[1], L) - window[0]
+        got, got_sup, _ = shard_sequence(part.features, sup, sp, r, k, windowed=("aux", "final_hidden"))
+        for name in ("input_ids", "aux", "attention_mask", "final_hidden", "positions"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (r, name)
+        assert torch.equal(got_sup, want_sup)
+    other = cache.read(1, chunk_window(L, sp, 0, k))
+    got, _, _ = shard_sequence(other.features, sup, sp, 1, k, windowed=("aux", "final_hidden"))
+    assert not torch.equal(got.aux, shard_sequence(whole.features, sup, sp, 1, k)[0].aux)

@@ -171,7 +171,23 @@ class FeatureCache:
         return x.to(self.dtype) if self.dtype is not None and x.is_floating_point() else x
 
     def __getitem__(self, i: int) -> CachedBatch:
-        t = load_file(str(self.path / self.names[i]))
+        return self.read(i)
+
+    def read(self, i: int, window: tuple[int, int] | None = None) -> CachedBatch:
+        """Shard i; with ``window=(start, stop)`` the large per-position tensors
+        (``aux``, ``final_hidden``) hold only positions ``[start, stop)`` (read from
+        disk as a slice: a sequence-parallel rank reads its own chunk and tail, not the
+        whole sequence), while ids and masks stay whole ``[B, S]``."""
+        path = str(self.path / self.names[i])
+        if window is None:
+            t = load_file(path)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                t = {name: (f.get_slice(name)[:, window[0]:window[1]]
+                            if name in ("aux", "final_hidden") else f.get_tensor(name))
+                     for name in f.keys()}
         features = Features(
             input_ids=t["input_ids"].to(self.device),
             aux=self._cast(t["aux"]),

@@ -21,6 +21,7 @@ from eagle3fn.parallel.params import (full, full_optimizer_state, gather, load_o
                                       reduce_grads, shard)
 from eagle3fn.parallel.seqpar import (
     SequenceParallelAttention,
+    chunk_window,
     collectives,
     pad_for_sp,
     reduce_terms,
@@ -28,6 +29,7 @@ from eagle3fn.parallel.seqpar import (
     shard_sequence,
 )
 
-__all__ = ["Layout", "ParallelConfig", "SequenceParallelAttention", "build_layout", "collectives",
-           "full", "full_optimizer_state", "gather", "init_distributed", "load_optimizer_state",
-           "pad_for_sp", "reduce_grads", "reduce_terms", "ring_pass", "shard", "shard_sequence"]
+__all__ = ["Layout", "ParallelConfig", "SequenceParallelAttention", "build_layout", "chunk_window",
+           "collectives", "full", "full_optimizer_state", "gather", "init_distributed",
+           "load_optimizer_state", "pad_for_sp", "reduce_grads", "reduce_terms", "ring_pass", "shard",
+           "shard_sequence"]

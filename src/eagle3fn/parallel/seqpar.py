@@ -28,8 +28,15 @@ from eagle3fn.shapes import Features, StepTerms
 from eagle3fn.ttt import Collectives
 
 
+def chunk_window(length: int, sp: int, sp_rank: int, ttt_length: int) -> tuple[int, int]:
+    """Positions ``[r*C, r*C + C + k)`` rank r holds (own chunk + tail), ``C = ceil(L/sp)``;
+    the stop may pass ``length`` (zeros there)."""
+    C = -(-length // sp)
+    return sp_rank * C, sp_rank * C + C + ttt_length
+
+
 def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_rank: int,
-                   ttt_length: int) -> tuple[Features, torch.Tensor, int]:
+                   ttt_length: int, windowed: tuple[str, ...] = ()) -> tuple[Features, torch.Tensor, int]:
     """This rank's chunk of a batch: own positions ``[r*C, (r+1)*C)`` plus a k tail.
 
     Args:
@@ -38,6 +45,8 @@ def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_
             (computed before the split: the last-token rule needs the global length).
         sp, sp_rank: sequence-parallel degree and this rank's chunk.
         ttt_length: k.
+        windowed: names of ``features`` fields already cut to ``chunk_window`` (e.g.
+            read so from an offline cache); they are only zero-padded.
 
     Returns:
         ``(features [B, T, ...], supervised [B, T], C)`` with ``T = C + k``; positions
@@ -53,10 +62,10 @@ def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_
     T = C + ttt_length
     start = sp_rank * C
 
-    def take(x):
+    def take(x, cut=True):
         if x is None:
             return None
-        x = x[:, start:start + T]
+        x = x[:, start:start + T] if cut else x
         short = T - x.shape[1]
         if short:
             x = torch.cat([x, x.new_zeros((B, short) + tuple(x.shape[2:]))], dim=1)
@@ -69,10 +78,10 @@ def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_
     extended = torch.cat([positions, last + torch.arange(1, T + 1, device=last.device)], dim=1)
     local = Features(
         input_ids=take(features.input_ids),
-        aux=take(features.aux),
+        aux=take(features.aux, "aux" not in windowed),
         attention_mask=take(features.attention_mask),
-        target_logits=take(features.target_logits),
-        final_hidden=take(features.final_hidden),
+        target_logits=take(features.target_logits, "target_logits" not in windowed),
+        final_hidden=take(features.final_hidden, "final_hidden" not in windowed),
         target_head=features.target_head,
         positions=extended[:, start:start + T],
     )
