@@ -176,14 +176,14 @@ def test_flex_skips_only_blocks_without_needed_rows():
 
 def test_auto_picks_by_computed_rows_and_stays_exact():
     """trim="auto": backbone when the computed layer rows are at most the calibrated
-    fraction of k*B*C, else loss; either way the one-rank full result."""
+    fraction of k*B*C, else none; either way the one-rank full result."""
     from eagle3fn.ttt import TTTConfig, choose_trim
 
     for family in ("tail", "all", "empty"):
         f, lm, params, d2t, t2d = batch = make_batch(family, 3)
         rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
         fraction = sum(c.numel() for c in computed_rows(rm)) / (K * rm.denominator)
-        for theta, want in ((fraction, "backbone"), (fraction - 0.01, "loss")):
+        for theta, want in ((fraction, "backbone"), (fraction - 0.01, "none")):
             config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta)
             assert choose_trim(rm, config) == want, (family, theta)
             assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta),

@@ -54,11 +54,12 @@ class TTTConfig:
     keys/values for every row and the rest for ``rows_0 | backbone_rows_1``, step
     ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact). ``auto``: per batch,
     ``backbone`` when the rows it computes are at most ``auto_backbone_fraction`` of
-    all, else ``loss`` (``choose_trim``)."""
-    auto_backbone_fraction: float = 0.85
+    all, else ``none`` (``choose_trim``)."""
+    auto_backbone_fraction: float = 0.7
     """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
-    trimmed backbone still beats the loss trim (calibrated on an H200 at 8B shapes,
-    docs/benchmarks.md)."""
+    trimmed backbone still beats the full path. Calibrated on an H200 at 8B shapes
+    (docs/benchmarks.md): at S=2048 the two cross near 50-75% tail density, at 8192
+    near 80%; above it the full path is faster than both trimmed ones."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention over ``[step-0 keys ; diagonal keys]`` with a block-sparse
@@ -291,13 +292,15 @@ def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
 def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
     """The path ``trim="auto"`` takes for this batch: ``backbone`` when the layer rows
     it computes (``sum_j |computed_rows_j|``, keys/values of step 0 aside) are at most
-    ``config.auto_backbone_fraction`` of ``k*B*C``, else ``loss``. Uses tensor sizes
-    only (no device sync). Any other ``config.trim`` is returned as is."""
+    ``config.auto_backbone_fraction`` of ``k*B*C``, else ``none`` (measured on the
+    H200: near full density the untrimmed path beats both trimmed ones, whose
+    gathers and chunked head then cost more than they save). Any other
+    ``config.trim`` is returned as is."""
     if config.trim != "auto":
         return config.trim
     total = rowmap.ttt_length * rowmap.batch_size * rowmap.num_rows
     computed = sum(c.numel() for c in computed_rows(rowmap))
-    return "backbone" if computed <= config.auto_backbone_fraction * total else "loss"
+    return "backbone" if computed <= config.auto_backbone_fraction * total else "none"
 
 
 def _attend_rows(attend, q_NhD: torch.Tensor, keys: list, valid_BC: torch.Tensor,

@@ -38,8 +38,14 @@ def gather(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     backward collectives (ring, all-to-all) differently from another rank's, and a
     reduce-scatter interleaved with them could deadlock.
     """
-    return {n: (p.full_tensor().detach().requires_grad_(True) if isinstance(p, DTensor) else p)
-            for n, p in params.items()}
+    out = {}
+    for name, p in params.items():
+        if isinstance(p, DTensor):
+            # One rank: the shard is the whole tensor; share its storage, copy nothing.
+            whole = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+            p = whole.detach().requires_grad_(True)
+        out[name] = p
+    return out
 
 
 def reduce_grads(sharded: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> None:
