@@ -35,9 +35,16 @@ FLAGS = {
               "--loss.step-weight-decay", "--loss.normalization", "--loss.objective",
               "--loss.kl-scale", "--loss.kl-decay", "--lr", "--warmup-ratio", "--weight-decay",
               "--grad-clip", "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--seed",
-              "--save-every", "--log-every", "--device"},
+              "--save-every", "--log-every", "--device", "--eval-holdout", "--eval-every",
+              "--tensorboard", "--no-tensorboard", "--preset"},
     "export": {"--run", "--out", "--dtype"},
-    "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature"},
+    "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",
+             "--untrained", "--no-untrained"},
+    "plan": {"--attention", "--auto-backbone-fraction", "--batch", "--density", "--draft-vocab",
+             "--dtype-bytes", "--gpu-memory-gib", "--head-chunk-rows", "--head-dim", "--heads",
+             "--hidden", "--intermediate", "--kv-heads", "--loss-impl", "--no-optimizer", "--optimizer",
+             "--pattern", "--seq-len", "--sp", "--target-hidden", "--teacher-chunk-size", "--trim",
+             "--ttt-length", "--vocab", "--world"},
     "version": set(),
 }
 

@@ -113,8 +113,10 @@ def test_embedded_default_runs(tmp_path):
     lines = []
     last = train(TrainConfig(out_dir=str(tmp_path), max_steps=2, trim_loss_positions=True),
                  log=lines.append)
-    assert any("embedded default" in line for line in lines)
+    assert any("embedded default" in line and "preset demo" in line for line in lines)
     assert last["step"] == 2 and last["loss"] > 0
+    assert any(line.startswith("eval step 2: held-out loss") and "(8 conversations)" in line
+               for line in lines)
 
 
 def test_export_and_eval_a_run(workdir, tmp_path, capsys):
@@ -131,3 +133,218 @@ def test_export_and_eval_a_run(workdir, tmp_path, capsys):
           "--num-draft-tokens", "3"])
     printed = capsys.readouterr().out
     assert "acceptance length" in printed and "simulated tau" in printed
+    # No held-out conversations: the prompts come from the training data, and it says so.
+    assert "trained draft (step 2), 2 trained-on prompts" in printed
+    assert "note:" in printed and "the draft was trained on them" in printed
+
+
+def test_holdout_never_trains_and_is_evaluated(workdir, tmp_path):
+    """eval_holdout=2 of 8 conversations trains exactly like the first 6 alone, logs
+    held-out rows every eval_every steps and at the end, and saves their prompts."""
+    from transformers import AutoTokenizer
+
+    from eagle3fn.train.loop import _online_source, evaluate_holdout, load_run
+    from eagle3fn.ttt import TTTConfig
+
+    lines = (workdir / "chat.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "first6.jsonl").write_text("".join(lines[:6]))
+    held, alone = tmp_path / "held", tmp_path / "alone"
+    log = []
+    train(config(workdir, held, eval_holdout=2, eval_every=2), log=log.append)
+    train(config(workdir, alone, data=str(tmp_path / "first6.jsonl")), log=lambda s: None)
+    a, b = final_params(held), final_params(alone)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    rows = [json.loads(r) for r in (held / METRICS).read_text().splitlines()]
+    assert [r["step"] for r in rows if "split" not in r] == list(range(1, 7))
+    evals = [r for r in rows if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 6] and evals[-1]["loss"] < evals[0]["loss"]
+    assert sum("eval step 4: held-out loss" in line for line in log) == 1
+    # The prompts of the last two conversations, as the chat template renders them.
+    tok = AutoTokenizer.from_pretrained(workdir / "model")
+    run = load_run(held)
+    expected = [tok.apply_chat_template([json.loads(line)["messages"][0]], add_generation_prompt=True,
+                                        tokenize=False) for line in lines[6:]]
+    assert [tok.decode(p) for p in run["holdout_prompts"]] == expected
+    # The last eval row is the final weights on the held-out batches; pooling batches
+    # of 2 or of 1 gives the same acc (weighted by rows) and tau.
+    sources = [_online_source(config(workdir, tmp_path, eval_holdout=2, batch_size=bs), torch.device("cpu"))
+               for bs in (2, 1)]
+    params = {**run["params"], "embed_tokens.weight": sources[0][0].embed_tokens.float()}
+    ttt_cfg = TTTConfig(draft=run["draft"], ttt_length=3, trim="loss")
+    pooled = [evaluate_holdout(params, s[2][1], ttt_cfg, d2t=run["d2t"], t2d=run["t2d"]) for s in sources]
+    assert pooled[0]["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
+    assert pooled[0]["acc"] == pytest.approx(pooled[1]["acc"]) and pooled[0]["tau"] == pytest.approx(pooled[1]["tau"])
+    with pytest.raises(ValueError, match="other settings"):  # a resume must hold out the same
+        train(config(workdir, held, eval_holdout=3), log=lambda s: None)
+
+
+def test_holdout_errors_are_clear(workdir, tmp_path):
+    from eagle3fn.cli.main import main
+
+    with pytest.raises(ValueError, match="--eval-every 5 needs held-out conversations"):
+        config(workdir, tmp_path, eval_every=5)
+    with pytest.raises(ValueError, match="--eval-holdout 8 leaves nothing to train on"):
+        train(config(workdir, tmp_path / "all", eval_holdout=8), log=lambda s: None)
+    cache = tmp_path / "cache"  # shards of 3, 3, 2 conversations
+    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(cache), "--batch-size", "3", "--storage", "float32"])
+    with pytest.raises(ValueError, match=r"hold \[2, 5\] conversations"):
+        train(config(workdir, tmp_path / "off", cache=str(cache), eval_holdout=3), log=lambda s: None)
+    train(config(workdir, tmp_path / "off", cache=str(cache), eval_holdout=2, epochs=1), log=lambda s: None)
+    run = torch.load(tmp_path / "off" / CHECKPOINT, weights_only=False)
+    assert run["step"] == 2 and len(run["holdout_prompts"]) == 2
+
+
+def test_metrics_survive_a_row_cut_short(tmp_path):
+    from eagle3fn.train.metrics import MetricsLog, read_metrics
+
+    rows = [{"step": 1, "loss": 3.0}, {"split": "eval", "step": 2, "loss": 2.5}, {"step": 2, "loss": 2.0},
+            {"step": 3, "loss": 1.0}]
+    (tmp_path / METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    assert read_metrics(tmp_path / METRICS) == rows
+    log = MetricsLog(tmp_path, resume_step=2, tensorboard=False)  # resuming at step 2
+    log.write({"step": 3, "loss": 0.5})
+    assert read_metrics(tmp_path / METRICS) == rows[:3] + [{"step": 3, "loss": 0.5}]
+
+
+def test_plot_draws_held_out_rows(tmp_path):
+    from eagle3fn.train.plot import WIDTH, plot_metrics
+
+    train_rows = [{"step": s, "kl": [3.0 / s, 4.0 / s], "acc": [0.1 * s, 0.05 * s]} for s in range(1, 6)]
+    eval_rows = [{"split": "eval", "step": s, "kl": [3.5 / s, 4.5 / s], "acc": [0.08 * s, 0.04 * s]}
+                 for s in (2, 4)]
+
+    def green_pixels(rows):
+        path = tmp_path / "m.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        png = plot_metrics(path, tmp_path / "p.png").read_bytes()
+        data = __import__("zlib").decompress(png[png.index(b"IDAT") + 4:-16])
+        stride = 1 + 3 * WIDTH
+        px = [data[i + 1:i + stride] for i in range(0, len(data), stride)]
+        return sum(1 for row in px for x in range(WIDTH) if row[3 * x + 1] > 100 > row[3 * x] and row[3 * x + 2] < 100)
+    assert green_pixels(train_rows) == 0
+    assert green_pixels(train_rows + eval_rows) > 50
+
+
+def test_progress_bar_on_a_terminal(workdir, tmp_path, monkeypatch):
+    """A terminal gets one line redrawn in place; a log callable gets one line per step."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    train(config(workdir, tmp_path / "tty", eval_holdout=2, max_steps=3))
+    text = screen.getvalue()
+    assert "\r[########----------------] 1/3 loss " in text and " tok/s ETA 0m0" in text
+    assert "\r[########################] 3/3 loss " in text
+    assert "step 1/3 loss" not in text  # no per-step lines on a terminal
+    # What the terminal shows: each line as its last carriage return left it.
+    shown = [line.split("\r")[-1].rstrip() for line in text.split("\n")]
+    assert shown[-4].startswith("eval step 3: held-out loss")  # messages stand above the bar
+    assert shown[-3].startswith("[########################] 3/3 loss ")
+    assert shown[-2].startswith("done: 3 steps") and shown[-1] == ""
+    monkeypatch.undo()
+    logged = []
+    train(config(workdir, tmp_path / "pipe", max_steps=3), log=logged.append)
+    assert [line.split(" loss")[0] for line in logged if line.startswith("step ")] == \
+        ["step 1/3", "step 2/3", "step 3/3"]
+
+
+def test_tensorboard_missing_is_a_clear_error(workdir, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install tensorboard \(or pip install 'eagle3fn\[tensorboard\]'\)"):
+        config(workdir, tmp_path, tensorboard=True)
+
+
+def test_tensorboard_scalars_match_the_metrics(workdir, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    train(config(workdir, out, eval_holdout=2, max_steps=4, tensorboard=True), log=lambda s: None)
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    rows = [json.loads(r) for r in (out / METRICS).read_text().splitlines()]
+    scalars = lambda tag: [(e.step, e.value) for e in events.Scalars(tag)]  # noqa: E731
+    assert scalars("train/loss") == [(r["step"], pytest.approx(r["loss"])) for r in rows if "split" not in r]
+    assert scalars("train/acc_2") == [(r["step"], pytest.approx(r["acc"][2])) for r in rows if "split" not in r]
+    assert scalars("eval/tau") == [(4, pytest.approx(rows[-1]["tau"]))] and rows[-1]["split"] == "eval"
+
+
+def test_presets_fill_fields_left_at_their_defaults(workdir, tmp_path):
+    import dataclasses
+
+    from eagle3fn.train.config import PRESETS
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert all(set(preset()) <= names for preset in PRESETS.values())
+    smoke = config(workdir, tmp_path, preset="smoke", save_every=100)
+    assert (smoke.max_steps, smoke.save_every) == (4, 2)  # save_every=100 is the class default
+    assert config(workdir, tmp_path, preset="smoke", max_steps=3).max_steps == 3  # a flag wins
+    long = config(workdir, tmp_path, preset="long-context", trim_loss_positions=False, batch_size=4)
+    assert (long.batch_size, long.max_length, long.trim_mode) == (1, 32768, "loss")
+    assert config(workdir, tmp_path, preset="long-context").batch_size == 2  # given: kept
+    demo = TrainConfig(out_dir=str(tmp_path))  # the embedded default
+    assert demo.preset == "demo" and (demo.eval_holdout, demo.draft_vocab_size, demo.lr) == (8, 8192, 1e-3)
+    assert TrainConfig(out_dir=str(tmp_path), epochs=2).epochs == 2
+    assert config(workdir, tmp_path).preset is None and config(workdir, tmp_path).eval_holdout == 0
+    with pytest.raises(SystemExit):
+        from eagle3fn.cli.main import main
+        main(["train", "--preset", "huge"])
+
+
+def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys):
+    """--untrained evaluates exactly the weights training started from (lr=0 keeps
+    them: AdamW adds 0 * update), for the run's seed."""
+    from eagle3fn.cli.main import main
+    from eagle3fn.io.target import load_target
+    from eagle3fn.train.loop import initial_params, load_run
+
+    out = tmp_path / "frozen"
+    train(config(workdir, out, lr=0.0, max_steps=1, seed=3, eval_holdout=2), log=lambda s: None)
+    run = load_run(out)
+    target = load_target(str(workdir / "model"), aux_layer_ids=run["aux_layer_ids"])
+    start = initial_params(run, target)
+    assert start.keys() == run["params"].keys() and all(torch.equal(start[n], run["params"][n]) for n in start)
+    other = initial_params({**run, "config": {**run["config"], "seed": 4}}, target)
+    assert not torch.equal(other["fc.weight"], start["fc.weight"])
+    main(["eval", "--run", str(out), "--num-prompts", "2", "--max-new-tokens", "4", "--untrained"])
+    printed = capsys.readouterr().out
+    assert "untrained draft (step 0), 2 held-out prompts" in printed and "note:" not in printed
+
+
+def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
+    """The embedded default's closing table (here on the tiny target): both drafts, the
+    held-out objective, the files, and commands that reproduce and export verbatim."""
+    import shlex
+
+    from eagle3fn.cli.main import main
+    from eagle3fn.cli.run import demo_report
+
+    out = tmp_path / "run"
+    train(config(workdir, out, eval_holdout=2, max_steps=3), log=lambda s: None)
+    capsys.readouterr()
+    demo_report(str(out), num_prompts=2, max_new_tokens=5, untrained_new_tokens=3)
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    untrained = next(line for line in lines if line.strip().startswith("untrained (step 0)"))
+    trained = next(line for line in lines if line.strip().startswith("trained (step 3)"))
+    assert untrained.split()[3] == "6" and trained.split()[3] == "10"  # new tokens, 2 prompts
+    assert "speculative decoding on 2 held-out prompts" in printed
+    assert "the untrained draft generates 3 tokens per prompt, not 5" in printed
+    assert "held-out training objective at step 3" in printed
+    assert f"checkpoint  {out / CHECKPOINT}" in printed and f"plot        {out / 'loss.png'}" in printed
+    rerun = untrained[untrained.index("eagle3fn eval"):]  # the command column
+    assert rerun == f"eagle3fn eval --run {out} --num-prompts 2 --max-new-tokens 3 --untrained"
+    main(shlex.split(rerun)[1:])
+    again = capsys.readouterr().out
+    assert f"acceptance length {float(untrained.split()[4]):.2f}" in again  # reproduced
+    export = next(line for line in lines if line.startswith("export      ")).split("      ", 1)[1]
+    assert export == f"eagle3fn export --run {out} --out {out / 'draft'}"
+    main(shlex.split(export)[1:])
+    assert (out / "draft" / "config.json").exists()

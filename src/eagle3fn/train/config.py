@@ -1,11 +1,43 @@
-"""Typed training configuration (the CLI only overrides it) and named presets."""
+"""Typed training configuration (the CLI only overrides it) and named presets.
+
+A preset is a function returning field values; ``TrainConfig(preset=...)`` gives them
+to the fields still at their class defaults (so a flag given beside the preset wins,
+unless it equals the class default). The embedded default applies ``demo``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle3fn.loss import LossConfig
+
+PresetName = Literal["demo", "smoke", "long-context"]
+
+
+def demo_preset() -> dict:
+    """The CPU-sized demo of the embedded default (SmolLM2-135M-Instruct, 96 bundled
+    conversations): an 8192-token draft vocab, 512 tokens per conversation, lr 1e-3,
+    3 epochs, the last 8 conversations held out and evaluated every 22 steps (once
+    per epoch)."""
+    return {"draft_vocab_size": 8192, "max_length": 512, "lr": 1e-3, "epochs": 3,
+            "eval_holdout": 8, "eval_every": 22}
+
+
+def smoke_preset() -> dict:
+    """A very short run to check a setup end to end: 4 optimizer steps, a checkpoint
+    every 2."""
+    return {"max_steps": 4, "save_every": 2}
+
+
+def long_context_preset() -> dict:
+    """Long conversations: one per micro-batch, up to 32768 tokens, loss trimming on."""
+    return {"batch_size": 1, "max_length": 32768, "trim": "loss"}
+
+
+PRESETS = {"demo": demo_preset, "smoke": smoke_preset, "long-context": long_context_preset}
 
 
 @dataclass(kw_only=True)
@@ -14,10 +46,10 @@ class TrainConfig:
 
     model: str = ""
     """Local HF target directory (online mode, and for the tokenizer / draft shape).
-    With neither --model nor --data nor --cache: the embedded default, SmolLM2-135M-
-    Instruct on the bundled demo conversations (then --draft-vocab-size, --max-length,
-    --lr and --epochs left at their defaults become 8192, 512, 1e-3 and 3: a CPU-sized
-    demo, about 7 minutes on 2 cores, ending with a speculative-decoding check)."""
+    With neither --model nor --data nor --cache: the embedded default,
+    SmolLM2-135M-Instruct on the bundled demo conversations with ``--preset demo``
+    (a CPU-sized demo, under 10 minutes on 2 cores, ending with the acceptance length
+    of the untrained and the trained draft by speculative decoding)."""
     gguf_file: str | None = None
     """GGUF file inside ``model`` to load from."""
     data: str = ""
@@ -70,8 +102,35 @@ class TrainConfig:
     """Print and record metrics every N optimizer steps."""
     device: str = "auto"
     """``cuda`` when available, else ``cpu``."""
+    eval_holdout: int = 0
+    """Conversations at the end of the data kept out of training and out of the vocab
+    map (offline: the cache's trailing shards holding exactly this many). The training
+    objective runs on them with no grad (--eval-every, and at the end), and ``eagle3fn
+    eval`` takes its prompts from them. A resumed run must hold out the same number."""
+    eval_every: int = 0
+    """Evaluate on the held-out conversations every N optimizer steps (0: only at the
+    end); needs --eval-holdout."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to out_dir/tb (needs ``pip install
+    tensorboard``)."""
+    preset: PresetName | None = None
+    """Named values for the fields left at their class defaults: ``demo`` (the
+    embedded default's CPU demo: --draft-vocab-size 8192 --max-length 512 --lr 1e-3
+    --epochs 3 --eval-holdout 8 --eval-every 22; applied automatically to the
+    embedded default), ``smoke`` (check a setup: --max-steps 4 --save-every 2),
+    ``long-context`` (--batch-size 1 --max-length 32768 --trim loss). A flag given
+    with a preset wins, unless it equals the class default."""
 
     def __post_init__(self) -> None:
+        if self.preset is None and self.embedded_default:
+            self.preset = "demo"
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
+            defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+            for name, value in PRESETS[self.preset]().items():
+                if getattr(self, name) == defaults[name]:
+                    setattr(self, name, value)
         if self.trim is not None and self.trim_loss_positions and self.trim != "loss":
             raise ValueError(f"--trim {self.trim} contradicts --trim-loss-positions; pass one")
         if not self.embedded_default and not self.cache and not (self.model and self.data):
@@ -79,6 +138,15 @@ class TrainConfig:
                              "or none of them for the embedded default")
         if self.grad_accum < 1 or self.batch_size < 1:
             raise ValueError("batch_size and grad_accum must be >= 1")
+        if self.eval_holdout < 0 or self.eval_every < 0:
+            raise ValueError(f"--eval-holdout {self.eval_holdout} and --eval-every {self.eval_every} "
+                             "must be >= 0")
+        if self.eval_every and not self.eval_holdout:
+            raise ValueError(f"--eval-every {self.eval_every} needs held-out conversations: "
+                             "add --eval-holdout N (e.g. 8)")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or pip install 'eagle3fn[tensorboard]'), or drop --tensorboard")
 
     @property
     def embedded_default(self) -> bool:

@@ -1,7 +1,14 @@
 """The training loop, explicit: batches -> features -> row map -> TTT -> AdamW step.
 
 Writes ``metrics.jsonl`` (one row per logged step: loss, per-step kl/acc/accept, tau,
-lr, grad norm, tokens/s) and ``loss.png`` (``plot.plot_metrics``) in ``out_dir``.
+lr, grad norm, tokens/s; and a ``"split": "eval"`` row per evaluation on the held-out
+conversations, ``metrics.py``), TensorBoard scalars with ``tensorboard``, and
+``loss.png`` (``plot.plot_metrics``) in ``out_dir``.
+
+``eval_holdout`` conversations at the end of the data never train; the training
+objective runs on them with no grad every ``eval_every`` steps and at the end, and
+their prompts (the tokens before the first supervised one) are saved with the
+checkpoint for ``eagle3fn eval``.
 
 fp32 master weights; on CUDA the step computes with bf16 copies (the gradient flows
 back to the masters through the cast). Checkpoints hold the masters, the optimizer,
@@ -12,9 +19,11 @@ in ``out_dir`` and continues the same loss curve.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,7 +35,9 @@ from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, Objective
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.metrics import MetricsLog, read_metrics
 from eagle3fn.train.plot import plot_metrics
+from eagle3fn.train.progress import Progress
 from eagle3fn.ttt import TTTConfig, ttt
 
 CHECKPOINT = "checkpoint.pt"
@@ -34,7 +45,8 @@ METRICS = "metrics.jsonl"
 # Settings a checkpoint must share with the run resuming it (others, e.g. trim or
 # save_every, may change: they do not change the math or the data order).
 _RESUME_KEYS = ("model", "data", "cache", "draft_vocab_size", "aux_layer_ids", "max_length",
-                "ttt_length", "batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "epochs")
+                "ttt_length", "batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "epochs",
+                "eval_holdout")
 
 
 def draft_config_for(model_config, draft_vocab_size: int, vocab_size: int) -> DraftConfig:
@@ -79,6 +91,7 @@ class _Source:
 
 
 def _online_source(cfg: TrainConfig, device):
+    """The target, and (examples, source) for training and for the held-out tail."""
     from transformers import AutoTokenizer
 
     from eagle3fn.io.data import collate, tokenize_file
@@ -88,14 +101,20 @@ def _online_source(cfg: TrainConfig, device):
     tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
     target = _target(cfg, device)
     examples = tokenize_file(cfg.data, tok, max_length=cfg.max_length, on_error=cfg.on_error)
-    groups = [examples[i:i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)]
+    if cfg.eval_holdout >= len(examples):
+        raise ValueError(f"--eval-holdout {cfg.eval_holdout} leaves nothing to train on: {cfg.data} "
+                         f"has {len(examples)} usable conversations; hold out fewer")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def load(group):
         b = collate(group, pad)
         f = target_features(target, b["input_ids"].to(device), b["attention_mask"].to(device))
         return f, b["loss_mask"].to(device)
-    return target, examples, _Source(groups, load)
+
+    def source(part):
+        return _Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load)
+    cut = len(examples) - cfg.eval_holdout
+    return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
 
 
 def _target(cfg: TrainConfig, device):
@@ -107,6 +126,7 @@ def _target(cfg: TrainConfig, device):
 
 
 def _offline_source(cfg: TrainConfig, device):
+    """(examples, source) for training and for the held-out trailing shards."""
     from eagle3fn.io.cache import FeatureCache
     from eagle3fn.io.data import Example
 
@@ -115,14 +135,54 @@ def _offline_source(cfg: TrainConfig, device):
     def load(i):
         item = cache[i]
         return item.features, item.loss_mask
-    examples = []  # ids and masks only, for the vocab map
+    shards = []  # ids and masks only, for the vocab map and the held-out prompts
     for i, item in enumerate(cache):
         f = item.features
-        for b in range(f.input_ids.shape[0]):
-            L = int(f.attention_mask[b].sum())
-            examples.append(Example(input_ids=f.input_ids[b, :L].cpu(),
-                                    loss_mask=item.loss_mask[b, :L].cpu(), source=f"shard {i}"))
-    return examples, _Source(list(range(len(cache))), load)
+        lengths = f.attention_mask.sum(1).tolist()
+        shards.append([Example(input_ids=f.input_ids[b, :L].cpu(), loss_mask=item.loss_mask[b, :L].cpu(),
+                               source=f"shard {i}") for b, L in enumerate(lengths)])
+    # held[n]: conversations in the last n shards (shards are never split).
+    held = [0, *itertools.accumulate(len(s) for s in reversed(shards))]
+    if cfg.eval_holdout not in held[:-1]:
+        raise ValueError(f"--eval-holdout {cfg.eval_holdout}: the trailing shards of {cfg.cache} hold "
+                         f"{held[1:-1]} conversations; hold out one of those numbers (or 0)")
+    cut = len(shards) - held.index(cfg.eval_holdout)
+    flat = lambda part: [e for s in part for e in s]  # noqa: E731
+    return ((flat(shards[:cut]), _Source(list(range(cut)), load)),
+            (flat(shards[cut:]), _Source(list(range(cut, len(shards))), load)))
+
+
+def _prompt(example) -> list[int]:
+    """The tokens before the first supervised one (the chat template's prompt)."""
+    return example.input_ids[:int(example.loss_mask.nonzero()[0])].tolist()
+
+
+@torch.no_grad()
+def evaluate_holdout(params: dict[str, torch.Tensor], source: _Source, config: TTTConfig, *,
+                     d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """The training objective and metrics on held-out batches, with no grad.
+
+    Batches are pooled: ``loss`` and ``kl`` weighted by each batch's ``B*C`` (the
+    local_mean divisor), ``acc`` and ``accept`` by each step's rows; ``tau`` is
+    ``1 + sum_j prod_{i<=j} acc_i`` of the pooled acc. Returns floats and k-lists.
+    """
+    k = config.ttt_length
+    loss, weight = 0.0, 0
+    kl, acc, accept, rows = (torch.zeros(k, dtype=torch.float64) for _ in range(4))
+    for item in source.items:
+        features, loss_mask = source.load(item)
+        rowmap = build_rowmap(supervised_mask(loss_mask, features.attention_mask), k)
+        obj = ttt(params, features, rowmap, config, d2t=d2t, t2d=t2d)
+        n = torch.tensor([r.numel() for r in rowmap.rows], dtype=torch.float64)
+        loss += float(obj.objective) * rowmap.denominator
+        kl += obj.kl_loss.double().cpu() * rowmap.denominator
+        acc += obj.acc.double().cpu() * n
+        accept += obj.accept.double().cpu() * n
+        weight, rows = weight + rowmap.denominator, rows + n
+    acc, accept = acc / rows.clamp(min=1), accept / rows.clamp(min=1)
+    as_list = lambda t: [round(float(x), 6) for x in t]  # noqa: E731
+    return {"loss": loss / weight, "kl": as_list(kl / weight), "acc": as_list(acc),
+            "accept": as_list(accept), "tau": float(1 + torch.cumprod(acc, 0).sum())}
 
 
 def _save(path: Path, state: dict) -> None:
@@ -161,7 +221,8 @@ def _metrics_row(step: int, lr: float, grad_norm: float, obj: Objective, tokens_
 def load_run(out_dir: str | os.PathLike) -> dict:
     """A finished (or interrupted) run: ``params`` (trainable, fp32, by name),
     ``draft`` (DraftConfig), ``d2t``/``t2d``, ``config`` (TrainConfig fields),
-    ``aux_layer_ids`` and ``step``."""
+    ``aux_layer_ids``, ``step`` and ``holdout_prompts`` (token id lists, one per
+    held-out conversation; empty without --eval-holdout)."""
     from eagle3fn.io.vocab_io import load_vocab_map
 
     out = Path(out_dir)
@@ -174,30 +235,40 @@ def load_run(out_dir: str | os.PathLike) -> dict:
                               draft_vocab_size=draft_cfg.draft_vocab_size)
     return {"params": state["params"], "draft": draft_cfg, "d2t": d2t, "t2d": t2d,
             "config": state["config"], "aux_layer_ids": tuple(state["aux_layer_ids"]),
-            "step": state["step"]}
+            "step": state["step"], "holdout_prompts": state["holdout_prompts"]}
 
 
-def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
+def initial_params(run: dict, target) -> dict[str, torch.Tensor]:
+    """The trainable draft weights a run started from (step 0): ``init_params`` with
+    the run's seed, ``target``'s head rows and the run's vocab map, as ``train`` builds
+    them (on CPU in fp32; a bf16 CUDA target rounds the copied head)."""
+    params = init_params(run["draft"], embed_tokens=target.embed_tokens.float(),
+                         target_lm_head=target.lm_head.weight.detach().float(), t2d=run["t2d"],
+                         seed=run["config"]["seed"])
+    return {n: p.detach() for n, p in params.items() if p.requires_grad}
+
+
+def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
           on_step: Callable[[int], None] | None = None) -> dict:
-    """Run (or resume) training as configured; returns the last metrics row.
+    """Run (or resume) training as configured; returns the last training metrics row.
 
-    ``on_step(step)`` is called after each optimizer step and its checkpoint (tests use
-    it to interrupt a run).
+    ``log`` receives every message, one line each, and a line every ``log_every``
+    steps. Default: stdout, where a terminal gets a progress bar redrawn every step
+    instead of the per-step lines (``progress.Progress``). ``on_step(step)`` is called
+    after each optimizer step and its checkpoint (tests use it to interrupt a run).
     """
     from transformers import AutoConfig
 
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
+    live = log is None and sys.stdout.isatty()
+    log = log or print
     if cfg.embedded_default:
         from eagle3fn.demo import demo_data_path
         from eagle3fn.io.smollm2 import smollm2_path
 
-        # A CPU-sized demo: fields still at their class defaults get demo values.
-        demo = {"draft_vocab_size": 8192, "max_length": 512, "lr": 1e-3, "epochs": 3}
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()),
-                                  **{k: v for k, v in demo.items() if getattr(cfg, k) == defaults[k]})
-        log(f"embedded default: target {cfg.model}, data {cfg.data}, Vd={cfg.draft_vocab_size}")
+        cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()))
+        log(f"embedded default: target {cfg.model}, data {cfg.data}, preset {cfg.preset}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     out = Path(cfg.out_dir)
@@ -205,9 +276,9 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     if cfg.cache:  # the target is loaded only for its embedding and head
         target = _target(cfg, device)
-        examples, source = _offline_source(cfg, device)
+        (examples, source), (held, holdout) = _offline_source(cfg, device)
     else:
-        target, examples, source = _online_source(cfg, device)
+        target, (examples, source), (held, holdout) = _online_source(cfg, device)
     head, embed = target.lm_head.weight.detach(), target.embed_tokens
     V = head.shape[0]
     draft_cfg = draft_config_for(AutoConfig.from_pretrained(cfg.model, **kwargs), cfg.draft_vocab_size, V)
@@ -221,7 +292,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
     opt = torch.optim.AdamW(trainable.values(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
     per_epoch = math.ceil(len(source.items) / cfg.grad_accum)
-    total = cfg.max_steps or cfg.epochs * per_epoch
+    total = min(cfg.max_steps or cfg.epochs * per_epoch, cfg.epochs * per_epoch)
     ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss)
     step, epoch, pos = 0, 0, 0
     ckpt = out / CHECKPOINT
@@ -233,19 +304,22 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
         opt.load_state_dict(state["optimizer"])
         step, epoch, pos = state["step"], state["epoch"], state["pos"]
         torch.set_rng_state(state["rng"])
-        rows = (out / METRICS).read_text().splitlines() if (out / METRICS).exists() else []
-        (out / METRICS).write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
         log(f"resumed {ckpt} at step {step} (epoch {epoch}, batch {pos})")
+    metrics = MetricsLog(out, resume_step=step, tensorboard=cfg.tensorboard)
+    progress = Progress(total, start=step, live=live, log=log)
+    log = progress.message
     log(f"draft: H={draft_cfg.hidden_size} heads={draft_cfg.num_heads}/{draft_cfg.num_kv_heads} "
         f"Vd={draft_cfg.draft_vocab_size} k={cfg.ttt_length} trim={cfg.trim_mode}; "
-        f"{len(source.items)} batches/epoch, {total} optimizer steps on {device}")
+        f"{len(examples)} conversations in {len(source.items)} batches/epoch, {len(held)} held out; "
+        f"{total} optimizer steps on {device}")
+    holdout_prompts = [_prompt(e) for e in held]
 
     def save():
         _save(ckpt, {"params": {n: p.detach().cpu() for n, p in trainable.items()},
                      "optimizer": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos,
                      "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg),
                      "draft": dataclasses.asdict(draft_cfg),
-                     "aux_layer_ids": list(target.aux_layer_ids)})
+                     "aux_layer_ids": list(target.aux_layer_ids), "holdout_prompts": holdout_prompts})
 
     def compute_params():
         if device.type != "cuda":
@@ -275,20 +349,33 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print,
             step += 1
             if pos == len(order):
                 epoch, pos = epoch + 1, 0
-            if step % cfg.log_every == 0 or step == total:
-                last = _metrics_row(step, lr, grad_norm, obj, tokens / (time.perf_counter() - t0))
-                with open(out / METRICS, "a") as f:
-                    f.write(json.dumps(last) + "\n")
-                log(f"step {step}/{total} loss {last['loss']:.4f} acc0 {last['acc'][0]:.3f} "
-                    f"tau {last['tau']:.2f} lr {lr:.2e} {last['tokens_per_s']:.0f} tok/s")
+            logged = step % cfg.log_every == 0 or step == total
+            if logged or progress.live:
+                row = _metrics_row(step, lr, grad_norm, obj, tokens / (time.perf_counter() - t0))
+                progress.update(step, loss=row["loss"], acc0=row["acc"][0],
+                                tokens_per_s=row["tokens_per_s"])
+            if logged:
+                last = row
+                metrics.write(last)
+                if not progress.live:
+                    log(f"step {step}/{total} loss {last['loss']:.4f} acc0 {last['acc'][0]:.3f} "
+                        f"tau {last['tau']:.2f} lr {lr:.2e} {last['tokens_per_s']:.0f} tok/s")
+            if holdout.items and (step == total or cfg.eval_every and step % cfg.eval_every == 0):
+                held_row = {"split": "eval", "step": step,
+                            **evaluate_holdout(compute_params(), holdout, ttt_cfg, d2t=d2t, t2d=t2d)}
+                metrics.write(held_row)
+                log(f"eval step {step}: held-out loss {held_row['loss']:.4f} "
+                    f"acc0 {held_row['acc'][0]:.3f} tau {held_row['tau']:.2f} ({len(held)} conversations)")
             if step % cfg.save_every == 0 or step == total:
                 save()
             if on_step is not None:
                 on_step(step)
             if step >= total or pos == 0:
                 break
+    progress.close()
     save()
-    if (out / METRICS).exists():
+    metrics.close()
+    if read_metrics(out / METRICS):
         plot_metrics(out / METRICS, out / "loss.png")
     if last:
         log(f"done: {step} steps in {time.perf_counter() - t0:.0f} s; last loss {last['loss']:.4f}, "

@@ -1,15 +1,18 @@
 """A PNG of the per-step loss and accuracy curves, with no plotting dependency.
 
 Two panels (loss on top, acc below), one line per TTT step j (darker = earlier step),
-x = optimizer step. Written with zlib + struct; good enough to eyeball a run.
+x = optimizer step: training rows in blue (kl) and red (acc), held-out evaluation rows
+(``"split": "eval"``) in green with a square at each evaluation. Written with zlib +
+struct; good enough to eyeball a run.
 """
 
 from __future__ import annotations
 
-import json
 import struct
 import zlib
 from pathlib import Path
+
+from eagle3fn.train.metrics import read_metrics
 
 WIDTH, PANEL, MARGIN = 640, 220, 24
 
@@ -33,30 +36,42 @@ def _line(px, x0, y0, x1, y1, color) -> None:
             px[y][3 * x:3 * x + 3] = bytes(color)
 
 
+def _square(px, x, y, color) -> None:
+    for dy in range(-2, 3):
+        _line(px, x - 2, y + dy, x + 2, y + dy, color)
+
+
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Draw ``kl`` and ``acc`` per TTT step from a metrics.jsonl into ``out_png``."""
-    rows = [json.loads(r) for r in Path(metrics_jsonl).read_text().splitlines() if r.strip()]
-    if not rows:
-        raise ValueError(f"{metrics_jsonl} has no rows to plot")
+    """Draw ``kl`` and ``acc`` per TTT step from a metrics.jsonl into ``out_png``
+    (training and held-out rows)."""
+    rows = read_metrics(metrics_jsonl)
+    train = [r for r in rows if r.get("split", "train") == "train"]
+    evals = [r for r in rows if r.get("split") == "eval"]
+    if not train:
+        raise ValueError(f"{metrics_jsonl} has no training rows to plot")
     height = 2 * PANEL + 3 * MARGIN
     px = [bytearray(b"\xff" * 3 * WIDTH) for _ in range(height)]
-    steps = [r["step"] for r in rows]
-    k = len(rows[0]["kl"])
+    steps = [r["step"] for r in train + evals]
+    first, span = min(steps), max(max(steps) - min(steps), 1)
+    k = len(train[0]["kl"])
     for panel, key in enumerate(("kl", "acc")):
         top = MARGIN + panel * (PANEL + MARGIN)
-        values = [v for r in rows for v in r[key]]
+        values = [v for r in train + evals for v in r[key]]
         lo, hi = min(values), max(values)
         hi = hi if hi > lo else lo + 1.0
         _line(px, MARGIN, top + PANEL, WIDTH - MARGIN, top + PANEL, (0, 0, 0))  # x axis
         _line(px, MARGIN, top, MARGIN, top + PANEL, (0, 0, 0))  # y axis
-        span = max(steps[-1] - steps[0], 1)
         for j in range(k):
             shade = int(200 * j / max(k - 1, 1))
             color = (shade, shade, 255) if key == "kl" else (255, shade, shade)
-            pts = [(MARGIN + round((s - steps[0]) / span * (WIDTH - 2 * MARGIN)),
-                    top + PANEL - round((r[key][j] - lo) / (hi - lo) * PANEL)) for s, r in zip(steps, rows)]
-            for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
-                _line(px, x0, y0, x1, y1, color)
+            for part, c in ((train, color), (evals, (shade // 2, 160 + shade // 4, shade // 2))):
+                pts = [(MARGIN + round((r["step"] - first) / span * (WIDTH - 2 * MARGIN)),
+                        top + PANEL - round((r[key][j] - lo) / (hi - lo) * PANEL)) for r in part]
+                for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
+                    _line(px, x0, y0, x1, y1, c)
+                if part is evals:
+                    for x, y in pts:
+                        _square(px, x, y, c)
     out = Path(out_png)
     _png(px, out)
     return out

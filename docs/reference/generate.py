@@ -1,0 +1,104 @@
+"""Write ``docs/reference/config.md``: every field of the train, eval and export configs
+with its type, default and docstring (the text ``--help`` shows), and the presets.
+
+    python docs/reference/generate.py
+
+``tests/test_reference_docs.py`` fails when the page differs from what this writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+
+from eagle3fn.cli.run import EvalArgs, ExportArgs
+from eagle3fn.train.config import PRESETS, TrainConfig
+
+PAGE = Path(__file__).with_name("config.md")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, on one line."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: " ".join(inspect.cleandoc(doc.value.value).split())
+            for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def type_name(tp) -> str:
+    """``int``, ``str | None``, ``raise | skip`` (a Literal's choices), ``tuple[int, int, int]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else tp.__name__
+
+
+def _rows(cls, prefix: str = "") -> list[str]:
+    docs, hints, rows = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING:  # a nested config: a heading row, then its fields
+            rows.append(f"| `--{prefix}{f.name}.*` | `{hints[f.name].__name__}` | | {docs[f.name]} |")
+            rows += _rows(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        flag = f"--{prefix}{f.name}".replace("_", "-")
+        if hints[f.name] is bool:
+            flag += f", --{prefix}no-{f.name}".replace("_", "-")
+        default = f'"{f.default}"' if isinstance(f.default, str) else str(f.default)
+        cell = lambda s: s.replace("|", "\\|")  # noqa: E731
+        rows.append(f"| `{flag}` | `{cell(type_name(hints[f.name]))}` | `{default}` | {cell(docs[f.name])} |")
+    return rows
+
+
+def _table(cls) -> str:
+    return "\n".join(["| flag | type | default | meaning |", "|---|---|---|---|", *_rows(cls)])
+
+
+def render() -> str:
+    """The page's text."""
+    presets = "\n".join(
+        f"| `{name}` | {' '.join(f'`--{k}'.replace('_', '-') + f' {v}`' for k, v in fn().items())} | "
+        f"{' '.join(inspect.getdoc(fn).split())} |" for name, fn in PRESETS.items())
+    return f"""# Configuration reference
+
+Generated from the config dataclasses by `python docs/reference/generate.py` (a test
+fails when this page is out of date). Every field is a flag of its command; the text is
+the field's docstring, which is also what `--help` prints.
+
+## `eagle3fn train` (`eagle3fn.train.config.TrainConfig`)
+
+{_table(TrainConfig)}
+
+### Presets
+
+`--preset NAME` gives these values to the fields still at their class defaults (a flag
+given beside it wins, unless it equals the class default). The embedded default (no
+`--model`, `--data` or `--cache`) applies `demo`. Each preset is a function in
+`eagle3fn/train/config.py`.
+
+| preset | values | what for |
+|---|---|---|
+{presets}
+
+## `eagle3fn eval` (`eagle3fn.cli.run.EvalArgs`)
+
+{_table(EvalArgs)}
+
+## `eagle3fn export` (`eagle3fn.cli.run.ExportArgs`)
+
+{_table(ExportArgs)}
+"""
+
+
+if __name__ == "__main__":
+    PAGE.write_text(render())
+    print(f"wrote {PAGE}")

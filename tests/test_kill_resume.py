@@ -1,0 +1,54 @@
+"""A training process killed with SIGKILL mid-run resumes to the same weights and curve."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from recorders import save_tiny_target
+
+from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.loop import CHECKPOINT, METRICS, train
+from eagle3fn.train.metrics import read_metrics
+
+WORDS = "the weather is sunny warm cold today tomorrow hello friend count one two three".split()
+SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_every=1, lr=1e-3,
+                trim_loss_positions=True)
+
+
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+    save_tiny_target(tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
+            for _ in range(24)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    total = 2 * 24
+    data = dict(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"))
+    killed = tmp_path / "killed"
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in {**data, **SETTINGS}.items()]
+    cmd = [sys.executable, "-m", "eagle3fn.cli", "train", *flags, f"--out-dir={killed}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # Each step writes its metrics row, then its checkpoint (save_every=1): kill once a
+    # few steps are in, well before the end (a step takes tens of milliseconds).
+    while proc.poll() is None and len(read_metrics(killed / METRICS)) < 3:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    at_kill = torch.load(killed / CHECKPOINT, weights_only=False)["step"]
+    assert 1 <= at_kill < total - 10, at_kill  # really interrupted mid-run
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    assert f"resumed {killed / CHECKPOINT} at step {at_kill}" in resumed
+
+    whole = tmp_path / "whole"
+    train(TrainConfig(**data, **SETTINGS, out_dir=str(whole)), log=lambda s: None)
+    a = torch.load(whole / CHECKPOINT, weights_only=False)["params"]
+    b = torch.load(killed / CHECKPOINT, weights_only=False)["params"]
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    curve = lambda out: [(r["step"], r["loss"], r["acc"]) for r in read_metrics(out / METRICS)]  # noqa: E731
+    assert curve(killed) == curve(whole) and [s for s, _, _ in curve(whole)] == list(range(1, total + 1))
