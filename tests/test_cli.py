@@ -35,7 +35,7 @@ FLAGS = {
               "--loss.step-weight-decay", "--loss.normalization", "--loss.objective",
               "--loss.kl-scale", "--loss.kl-decay", "--lr", "--warmup-ratio", "--weight-decay",
               "--grad-clip", "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--seed",
-              "--save-every", "--log-every", "--device", "--eval-holdout", "--eval-every",
+              "--save-every", "--log-every", "--device", "--parallel.ulysses", "--parallel.ring", "--parallel.timeout-s", "--eval-holdout", "--eval-every",
               "--tensorboard", "--no-tensorboard", "--preset"},
     "export": {"--run", "--out", "--dtype"},
     "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",

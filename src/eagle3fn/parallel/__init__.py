@@ -17,7 +17,7 @@ One batch on one rank of any layout::
 """
 
 from eagle3fn.parallel.mesh import Layout, ParallelConfig, build_layout, init_distributed
-from eagle3fn.parallel.params import (full, full_optimizer_state, gather, load_optimizer_state,
+from eagle3fn.parallel.params import (distribute_like, full, full_optimizer_state, gather, load_optimizer_state,
                                       reduce_grads, shard)
 from eagle3fn.parallel.seqpar import (
     SequenceParallelAttention,
@@ -30,6 +30,6 @@ from eagle3fn.parallel.seqpar import (
 )
 
 __all__ = ["Layout", "ParallelConfig", "SequenceParallelAttention", "build_layout", "chunk_window",
-           "collectives", "full", "full_optimizer_state", "gather", "init_distributed",
+           "collectives", "distribute_like", "full", "full_optimizer_state", "gather", "init_distributed",
            "load_optimizer_state", "pad_for_sp", "reduce_grads", "reduce_terms", "ring_pass", "shard",
            "shard_sequence"]

@@ -63,6 +63,12 @@ def reduce_grads(sharded: dict[str, torch.Tensor], gathered: dict[str, torch.Ten
         p.grad = grad if p.grad is None else p.grad + grad
 
 
+def distribute_like(param: DTensor, whole: torch.Tensor) -> DTensor:
+    """``whole`` (e.g. from a checkpoint) sharded like ``param``."""
+    return distribute_tensor(whole.to(param.to_local().device, param.dtype), param.device_mesh,
+                             param.placements)
+
+
 def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached whole tensors (e.g. for a checkpoint); plain tensors pass through."""
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for n, t in tensors.items()}

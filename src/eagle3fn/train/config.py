@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle3fn.loss import LossConfig
+from eagle3fn.parallel.mesh import ParallelConfig
 
 PresetName = Literal["demo", "smoke", "long-context"]
 
@@ -70,9 +71,11 @@ class TrainConfig:
     """Bad data lines: stop, or skip and count."""
     ttt_length: int = 7
     """k, unrolled TTT steps."""
-    trim: Literal["none", "loss"] | None = None
-    """Which rows to compute: ``none`` (every row at every step), ``loss`` (teacher,
-    head, loss and metrics only at supervised rows; exact). Default: none, or loss with
+    trim: Literal["none", "loss", "backbone", "auto"] | None = None
+    """Which rows to compute (all exact): ``none`` (every row at every step),
+    ``loss`` (teacher, head, loss and metrics only at supervised rows), ``backbone``
+    (also the draft layer only on the rows a later loss needs), ``auto`` (per batch,
+    backbone or none by measured cost). Default: none, or loss with
     --trim-loss-positions."""
     trim_loss_positions: bool = False
     """Shorthand for ``--trim loss`` (SpecForge's flag name)."""
@@ -110,6 +113,9 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on the held-out conversations every N optimizer steps (0: only at the
     end); needs --eval-holdout."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Sequence parallelism under ``torchrun`` (data parallelism takes the remaining
+    ranks): see docs/tutorials/sequence-parallel.md."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars to out_dir/tb (needs ``pip install
     tensorboard``)."""

@@ -211,6 +211,25 @@ def _load_checkpoint(path: Path, cfg: TrainConfig, trainable: dict) -> dict:
     return state
 
 
+class _Discard:
+    """Metrics sink of the ranks other than 0."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (a checkpoint tensor) placed like ``param`` (a DTensor shard or not)."""
+    if hasattr(param, "device_mesh"):
+        from eagle3fn.parallel import distribute_like
+
+        return distribute_like(param, full)
+    return full
+
+
 def _metrics_row(step: int, lr: float, grad_norm: float, obj: Objective, tokens_per_s: float) -> dict:
     as_list = lambda t: [round(float(x), 6) for x in t.detach().float()]  # noqa: E731
     return {"step": step, "lr": lr, "loss": float(obj.objective.detach()), "grad_norm": grad_norm,
@@ -271,6 +290,16 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         log(f"embedded default: target {cfg.model}, data {cfg.data}, preset {cfg.preset}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
+    layout = None
+    if "WORLD_SIZE" in os.environ or cfg.parallel.sp > 1:
+        from eagle3fn.parallel import build_layout, init_distributed
+
+        init_distributed(device, cfg.parallel.timeout_s)
+        layout = build_layout(cfg.parallel, device)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_rank() != 0:  # messages, metrics and files: rank 0 only
+            log, live = (lambda s: None), False
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
@@ -284,14 +313,22 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     draft_cfg = draft_config_for(AutoConfig.from_pretrained(cfg.model, **kwargs), cfg.draft_vocab_size, V)
     d2t, t2d = resolve_vocab_map(cfg.vocab_map, examples, vocab_size=V,
                                  draft_vocab_size=draft_cfg.draft_vocab_size)
-    save_vocab_map(out / "vocab.safetensors", d2t, t2d)
+    if layout is None or torch.distributed.get_rank() == 0:
+        save_vocab_map(out / "vocab.safetensors", d2t, t2d)
     d2t, t2d = d2t.to(device), t2d.to(device)
     params = init_params(draft_cfg, embed_tokens=embed.float(), target_lm_head=head.float(),
                          t2d=t2d, device=device, seed=cfg.seed)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
+    dp = layout.dp if layout else 1
+    if layout:
+        from eagle3fn.parallel import shard
+
+        trainable = shard(trainable, layout)  # DTensor shards over every rank
     opt = torch.optim.AdamW(trainable.values(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(source.items) / cfg.grad_accum)
+    main = layout is None or torch.distributed.get_rank() == 0
+    # One micro-batch = dp consecutive batches of the order, one per data-parallel rank.
+    per_epoch = math.ceil(len(source.items) / (dp * cfg.grad_accum))
     total = min(cfg.max_steps or cfg.epochs * per_epoch, cfg.epochs * per_epoch)
     ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss)
     step, epoch, pos = 0, 0, 0
@@ -300,12 +337,17 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         state = _load_checkpoint(ckpt, cfg, trainable)
         with torch.no_grad():
             for n, p in trainable.items():
-                p.copy_(state["params"][n])
-        opt.load_state_dict(state["optimizer"])
+                p.copy_(_like(p, state["params"][n]))
+        if layout:
+            from eagle3fn.parallel import load_optimizer_state
+
+            load_optimizer_state(opt, state["optimizer"])
+        else:
+            opt.load_state_dict(state["optimizer"])
         step, epoch, pos = state["step"], state["epoch"], state["pos"]
         torch.set_rng_state(state["rng"])
         log(f"resumed {ckpt} at step {step} (epoch {epoch}, batch {pos})")
-    metrics = MetricsLog(out, resume_step=step, tensorboard=cfg.tensorboard)
+    metrics = MetricsLog(out, resume_step=step, tensorboard=cfg.tensorboard) if main else _Discard()
     progress = Progress(total, start=step, live=live, log=log)
     log = progress.message
     log(f"draft: H={draft_cfg.hidden_size} heads={draft_cfg.num_heads}/{draft_cfg.num_kv_heads} "
@@ -315,32 +357,70 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     holdout_prompts = [_prompt(e) for e in held]
 
     def save():
-        _save(ckpt, {"params": {n: p.detach().cpu() for n, p in trainable.items()},
-                     "optimizer": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos,
+        if layout:  # every rank joins the gathers; rank 0 writes (layout-free checkpoint)
+            from eagle3fn.parallel import full, full_optimizer_state
+
+            weights, opt_state = full(trainable), full_optimizer_state(opt)
+            if not main:
+                return
+        else:
+            weights, opt_state = trainable, opt.state_dict()
+        _save(ckpt, {"params": {n: p.detach().cpu() for n, p in weights.items()},
+                     "optimizer": opt_state, "step": step, "epoch": epoch, "pos": pos,
                      "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg),
                      "draft": dataclasses.asdict(draft_cfg),
                      "aux_layer_ids": list(target.aux_layer_ids), "holdout_prompts": holdout_prompts})
 
+    whole = {}
+
     def compute_params():
+        nonlocal whole
+        current = params
+        if layout:
+            from eagle3fn.parallel import gather
+
+            whole = gather(trainable)
+            current = {**params, **whole}
         if device.type != "cuda":
-            return params
-        return {n: p.to(torch.bfloat16) for n, p in params.items()}
+            return current
+        return {n: p.to(torch.bfloat16) for n, p in current.items()}
+
+    def micro_batch(index):
+        """This rank's batch of the order's ``index``-th: features, row map, collectives."""
+        item = source.items[order[min(index, len(order) - 1)]]
+        features, loss_mask = source.load(item)
+        if index >= len(order):  # a data-parallel rank past the end: zero weight, no rows
+            loss_mask = torch.zeros_like(loss_mask)
+        supervised = supervised_mask(loss_mask, features.attention_mask)
+        if layout is None:
+            return features, build_rowmap(supervised, cfg.ttt_length), None
+        from eagle3fn.parallel import collectives, shard_sequence
+
+        features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
+                                                 cfg.ttt_length)
+        rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C)
+        denominator = 0 if index >= len(order) else rowmap.denominator
+        return features, rowmap, collectives(layout, denominator, device)
 
     last, tokens, t0 = {}, 0, time.perf_counter()
     while step < total and epoch < cfg.epochs:
         order = source.order(epoch, cfg.seed)
-        for i in range(pos, len(order)):
-            features, loss_mask = source.load(source.items[order[i]])
-            rowmap = build_rowmap(supervised_mask(loss_mask, features.attention_mask), cfg.ttt_length)
-            obj = ttt(compute_params(), features, rowmap, ttt_cfg, d2t=d2t, t2d=t2d)
+        for i in range(pos, len(order), dp):
+            features, rowmap, coll = micro_batch(i + (layout.dp_rank if layout else 0))
+            obj = ttt(compute_params(), features, rowmap, ttt_cfg, d2t=d2t, t2d=t2d, collectives=coll)
             (obj.objective / cfg.grad_accum).backward()
-            tokens += int(features.attention_mask.sum())
-            pos = i + 1
+            if layout:
+                from eagle3fn.parallel import reduce_grads
+
+                reduce_grads(trainable, whole)
+            tokens += int(features.attention_mask[:, :rowmap.num_rows].sum())
+            pos = min(i + dp, len(order))
             # Optimizer steps fall every grad_accum micro-batches of the epoch (and at its
             # end), so a checkpoint's data position is always on a step boundary.
-            if pos % cfg.grad_accum and pos < len(order):
+            if (pos // dp) % cfg.grad_accum and pos < len(order):
                 continue
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable.values(), cfg.grad_clip))
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable.values(), cfg.grad_clip)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             lr = lr_at(step, total, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -351,7 +431,11 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
                 epoch, pos = epoch + 1, 0
             logged = step % cfg.log_every == 0 or step == total
             if logged or progress.live:
-                row = _metrics_row(step, lr, grad_norm, obj, tokens / (time.perf_counter() - t0))
+                counted = float(tokens)
+                if layout and logged:  # tokens/s of the whole job (same steps on every rank)
+                    counted = torch.tensor(counted, device=device)
+                    torch.distributed.all_reduce(counted)
+                row = _metrics_row(step, lr, grad_norm, obj, float(counted) / (time.perf_counter() - t0))
                 progress.update(step, loss=row["loss"], acc0=row["acc"][0],
                                 tokens_per_s=row["tokens_per_s"])
             if logged:
@@ -375,7 +459,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     progress.close()
     save()
     metrics.close()
-    if read_metrics(out / METRICS):
+    if main and read_metrics(out / METRICS):
         plot_metrics(out / METRICS, out / "loss.png")
     if last:
         log(f"done: {step} steps in {time.perf_counter() - t0:.0f} s; last loss {last['loss']:.4f}, "
