@@ -69,3 +69,22 @@ def test_world_size_not_divisible_is_a_clear_error(workdir, tmp_path):  # noqa: 
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode != 0 and "not divisible" in run.stdout + run.stderr
+
+
+def test_offline_cache_under_sequence_parallelism(workdir, tmp_path):  # noqa: F811
+    """Each rank reads only its window of the cache's large tensors; the run trains the
+    one-process online weights."""
+    from eagle3fn.cli.main import main
+    from eagle3fn.loss import LossConfig
+
+    cache = tmp_path / "cache"
+    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(cache), "--batch-size", "2", "--storage", "float32"])
+    one = tmp_path / "one"
+    train(config(workdir, one, epochs=1, trim="backbone", trim_loss_positions=False,
+                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
+    two = tmp_path / "two"
+    torchrun(2, workdir, two, "--parallel.ring", "2", "--cache", str(cache))
+    a, b = final_params(one), final_params(two)
+    for n in a:
+        assert ((b[n] - a[n]).abs().max() / a[n].abs().max()).item() <= 1e-4, n

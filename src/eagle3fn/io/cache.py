@@ -173,11 +173,12 @@ class FeatureCache:
     def __getitem__(self, i: int) -> CachedBatch:
         return self.read(i)
 
-    def read(self, i: int, window: tuple[int, int] | None = None) -> CachedBatch:
-        """Shard i; with ``window=(start, stop)`` the large per-position tensors
-        (``aux``, ``final_hidden``) hold only positions ``[start, stop)`` (read from
-        disk as a slice: a sequence-parallel rank reads its own chunk and tail, not the
-        whole sequence), while ids and masks stay whole ``[B, S]``."""
+    def read(self, i: int, window=None) -> CachedBatch:
+        """Shard i; with ``window=(start, stop)`` (or a function of the shard's length
+        S returning it) the large per-position tensors (``aux``, ``final_hidden``) hold
+        only positions ``[start, stop)``, read from disk as a slice (a sequence-parallel
+        rank reads its own chunk and tail; ``(0, 0)`` reads ids and masks alone), while
+        ids and masks stay whole ``[B, S]``."""
         path = str(self.path / self.names[i])
         if window is None:
             t = load_file(path)
@@ -185,9 +186,11 @@ class FeatureCache:
             from safetensors import safe_open
 
             with safe_open(path, framework="pt") as f:
-                t = {name: (f.get_slice(name)[:, window[0]:window[1]]
-                            if name in ("aux", "final_hidden") else f.get_tensor(name))
-                     for name in f.keys()}
+                t = {name: f.get_tensor(name) for name in f.keys() if name not in ("aux", "final_hidden")}
+                if callable(window):
+                    window = window(t["input_ids"].shape[1])
+                for name in ("aux", "final_hidden"):
+                    t[name] = f.get_slice(name)[:, window[0]:window[1]]
         features = Features(
             input_ids=t["input_ids"].to(self.device),
             aux=self._cast(t["aux"]),

@@ -19,6 +19,7 @@ in ``out_dir`` and continues the same loss curve.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -132,11 +133,12 @@ def _offline_source(cfg: TrainConfig, device):
 
     cache = FeatureCache(cfg.cache, device=device)
 
-    def load(i):
-        item = cache[i]
+    def load(i, window=None):
+        item = cache.read(i, window)
         return item.features, item.loss_mask
-    shards = []  # ids and masks only, for the vocab map and the held-out prompts
-    for i, item in enumerate(cache):
+    shards = []  # ids and masks only (no features read), for the vocab map and held-out prompts
+    for i in range(len(cache)):
+        item = cache.read(i, (0, 0))
         f = item.features
         lengths = f.attention_mask.sum(1).tolist()
         shards.append([Example(input_ids=f.input_ids[b, :L].cpu(), loss_mask=item.loss_mask[b, :L].cpu(),
@@ -388,7 +390,15 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     def micro_batch(index):
         """This rank's batch of the order's ``index``-th: features, row map, collectives."""
         item = source.items[order[min(index, len(order) - 1)]]
-        features, loss_mask = source.load(item)
+        windowed = ()
+        if layout and layout.sp > 1 and cfg.cache:  # read only this rank's chunk + tail
+            from eagle3fn.parallel import chunk_window
+
+            windowed = ("aux", "final_hidden")
+            features, loss_mask = source.load(item, window=functools.partial(
+                chunk_window, sp=layout.sp, sp_rank=layout.sp_rank, ttt_length=cfg.ttt_length))
+        else:
+            features, loss_mask = source.load(item)
         if index >= len(order):  # a data-parallel rank past the end: zero weight, no rows
             loss_mask = torch.zeros_like(loss_mask)
         supervised = supervised_mask(loss_mask, features.attention_mask)
@@ -397,7 +407,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         from eagle3fn.parallel import collectives, shard_sequence
 
         features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
-                                                 cfg.ttt_length)
+                                                 cfg.ttt_length, windowed=windowed)
         rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C)
         denominator = 0 if index >= len(order) else rowmap.denominator
         return features, rowmap, collectives(layout, denominator, device)
