@@ -235,6 +235,18 @@ def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
     return out[:, :, :C]
 
 
+def _attention_fn(attention: AttentionImpl, attend, features: Features, ttt_length: int):
+    """``(attend, is_flex)``: a given ``attend`` (``Collectives.attend``) as is, else the
+    one-rank path ``attention`` names (``auto``: flex on CUDA, eager elsewhere)."""
+    if attend is not None:
+        return attend, False
+    if attention == "auto":
+        attention = "flex" if features.aux.is_cuda else "eager"
+    if attention == "flex":
+        return functools.partial(flex_attention_step, ttt_length=ttt_length), True
+    return eager_attention, False
+
+
 def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
              attention: AttentionImpl = "eager", attend=None) -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
@@ -242,12 +254,7 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
     Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
     (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
     """
-    if attention == "auto":
-        attention = "flex" if features.aux.is_cuda else "eager"
-    if attend is None and attention == "flex":
-        attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
-    elif attend is None:
-        attend = eager_attention
+    attend, _ = _attention_fn(attention, attend, features, ttt_length)
     cfg, layer = draft.cfg, draft.midlayer
     attn = layer.self_attn
     C = num_rows
@@ -335,13 +342,7 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     Returns:
         k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
     """
-    if attention == "auto":
-        attention = "flex" if features.aux.is_cuda else "eager"
-    skip_blocks = attend is None and attention == "flex"
-    if skip_blocks:
-        attend = functools.partial(flex_attention_step, ttt_length=ttt_length)
-    elif attend is None:
-        attend = eager_attention
+    attend, skip_blocks = _attention_fn(attention, attend, features, ttt_length)
     cfg, layer = draft.cfg, draft.midlayer
     attn = layer.self_attn
     C = num_rows
