@@ -36,3 +36,18 @@ def save_tiny_target(path) -> "object":
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return tok
+
+
+WORDS = "the weather is sunny warm cold today tomorrow hello friend count one two three".split()
+
+
+def write_tiny_chat(path, conversations: int) -> None:
+    """A chat JSONL of random short user/assistant turns over ``WORDS`` (seed 0)."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
+            for _ in range(conversations)]
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,6 +1,5 @@
 """A training process killed with SIGKILL mid-run resumes to the same weights and curve."""
 
-import json
 import os
 import signal
 import subprocess
@@ -8,24 +7,19 @@ import sys
 import time
 
 import torch
-from recorders import save_tiny_target
+from recorders import save_tiny_target, write_tiny_chat
 
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.loop import CHECKPOINT, METRICS, train
 from eagle3fn.train.metrics import read_metrics
 
-WORDS = "the weather is sunny warm cold today tomorrow hello friend count one two three".split()
 SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_every=1, lr=1e-3,
                 trim_loss_positions=True)
 
 
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     save_tiny_target(tmp_path / "model")
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
-    rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
-            for _ in range(24)]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tiny_chat(tmp_path / "chat.jsonl", 24)
     total = 2 * 24
     data = dict(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"))
     killed = tmp_path / "killed"

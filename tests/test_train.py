@@ -4,23 +4,18 @@ import json
 
 import pytest
 import torch
-from recorders import save_tiny_target
+from recorders import save_tiny_target, write_tiny_chat
 
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.loop import CHECKPOINT, METRICS, train
 
-WORDS = "the weather is sunny warm cold today tomorrow hello friend count one two three".split()
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
     save_tiny_target(d / "model")
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))  # noqa: E731
-    rows = [{"messages": [{"role": "user", "content": pick(6)}, {"role": "assistant", "content": pick(10)}]}
-            for _ in range(8)]
-    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tiny_chat(d / "chat.jsonl", 8)
     return d
 
 

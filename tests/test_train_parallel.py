@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_train import config, final_params, workdir  # noqa: F401 - the tiny target + data fixture
 
+from eagle3fn.loss import LossConfig
 from eagle3fn.train.loop import train
 
 TIMEOUT = 300
@@ -34,8 +35,7 @@ def test_sequence_parallel_training_equals_one_process(workdir, tmp_path, layout
     Negative control: another seed is far from both."""
     one = tmp_path / "one"
     train(config(workdir, one, epochs=1, trim="backbone", trim_loss_positions=False,
-                 loss=__import__("eagle3fn.loss", fromlist=["LossConfig"]).LossConfig(
-                     normalization="token_mean")), log=lambda s: None)
+                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
     two = tmp_path / "two"
     printed = torchrun(2, workdir, two, *layout)
     assert printed.count("step 4/4") == 1  # rank 0 alone logs
@@ -75,7 +75,6 @@ def test_offline_cache_under_sequence_parallelism(workdir, tmp_path):  # noqa: F
     """Each rank reads only its window of the cache's large tensors; the run trains the
     one-process online weights."""
     from eagle3fn.cli.main import main
-    from eagle3fn.loss import LossConfig
 
     cache = tmp_path / "cache"
     main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),

@@ -154,31 +154,20 @@ def _heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(B, u * m, C, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """Ulysses all-to-all ``[B, n, C, d]`` (sequence-sharded) -> ``[B, n/u, u*C, d]``
-    (head-sharded); its adjoint is the inverse all-to-all."""
+class _UlyssesAllToAll(torch.autograd.Function):
+    """Ulysses all-to-all: ``to_heads`` maps ``[B, n, C, d]`` (sequence-sharded) to
+    ``[B, n/u, u*C, d]`` (head-sharded), else the inverse; the adjoint of either is
+    the other."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """The inverse of ``_SeqToHeads``."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        inverse = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return inverse(grad.contiguous(), ctx.group), None, None
 
 
 def _all_gather_seq(x_BC: torch.Tensor, group) -> torch.Tensor:
@@ -232,7 +221,7 @@ class SequenceParallelAttention:
     def _to_heads(self, x):
         if self.layout.ulysses == 1:
             return x
-        return _SeqToHeads.apply(x, self.layout.group("ulysses"))
+        return _UlyssesAllToAll.apply(x, self.layout.group("ulysses"), True)
 
     def __call__(self, q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
                  valid_BC: torch.Tensor) -> torch.Tensor:
@@ -258,14 +247,8 @@ class SequenceParallelAttention:
                 # The own block is read from the pass's output 0, so every rank's graph
                 # holds the pass and every rank joins its backward.
                 self._keys[0] = (blocks[0][0], blocks[0][1])
-                valids = [self._valid]
-                current = self._valid
-                for _ in range(1, lay.ring):  # masks follow the same hops, no gradient
-                    current = _shift(current.to(torch.uint8), lay.group("ring"),
-                                     (lay.ring_rank + 1) % lay.ring,
-                                     (lay.ring_rank - 1) % lay.ring).bool()
-                    valids.append(current)
-                self._ring = list(zip(blocks, valids))
+                valids = ring_pass(self._valid.to(torch.uint8), lay.group("ring"))  # no gradient
+                self._ring = [(kv, valid.bool()) for kv, valid in zip(blocks, valids)]
         qh = self._to_heads(q)
         hq, S = qh.shape[1], qh.shape[2]
         expand = lambda x: x.repeat_interleave(hq // x.shape[1], dim=1)  # noqa: E731
@@ -285,7 +268,7 @@ class SequenceParallelAttention:
             lse = total
         if u == 1:
             return out
-        return _HeadsToSeq.apply(out, lay.group("ulysses"))
+        return _UlyssesAllToAll.apply(out, lay.group("ulysses"), False)
 
 
 # ---- reduction of the per-step sums ---------------------------------------------

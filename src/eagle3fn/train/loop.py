@@ -33,6 +33,9 @@ import torch
 
 from eagle3fn.align import supervised_mask
 from eagle3fn.draft import DraftConfig, RopeConfig, init_params
+from eagle3fn.parallel import (build_layout, chunk_window, collectives, distribute_like, full,
+                               full_optimizer_state, gather, init_distributed, load_optimizer_state,
+                               reduce_grads, shard, shard_sequence)
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, Objective
 from eagle3fn.train.config import TrainConfig
@@ -226,8 +229,6 @@ class _Discard:
 def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` (a checkpoint tensor) placed like ``param`` (a DTensor shard or not)."""
     if hasattr(param, "device_mesh"):
-        from eagle3fn.parallel import distribute_like
-
         return distribute_like(param, full)
     return full
 
@@ -294,8 +295,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     layout = None
     if "WORLD_SIZE" in os.environ or cfg.parallel.sp > 1:
-        from eagle3fn.parallel import build_layout, init_distributed
-
         init_distributed(device, cfg.parallel.timeout_s)
         layout = build_layout(cfg.parallel, device)
         if device.type == "cuda":
@@ -323,8 +322,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     dp = layout.dp if layout else 1
     if layout:
-        from eagle3fn.parallel import shard
-
         trainable = shard(trainable, layout)  # DTensor shards over every rank
     opt = torch.optim.AdamW(trainable.values(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
@@ -341,8 +338,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
             for n, p in trainable.items():
                 p.copy_(_like(p, state["params"][n]))
         if layout:
-            from eagle3fn.parallel import load_optimizer_state
-
             load_optimizer_state(opt, state["optimizer"])
         else:
             opt.load_state_dict(state["optimizer"])
@@ -360,8 +355,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
 
     def save():
         if layout:  # every rank joins the gathers; rank 0 writes (layout-free checkpoint)
-            from eagle3fn.parallel import full, full_optimizer_state
-
             weights, opt_state = full(trainable), full_optimizer_state(opt)
             if not main:
                 return
@@ -379,8 +372,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         nonlocal whole
         current = params
         if layout:
-            from eagle3fn.parallel import gather
-
             whole = gather(trainable)
             current = {**params, **whole}
         if device.type != "cuda":
@@ -392,8 +383,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         item = source.items[order[min(index, len(order) - 1)]]
         windowed = ()
         if layout and layout.sp > 1 and cfg.cache:  # read only this rank's chunk + tail
-            from eagle3fn.parallel import chunk_window
-
             windowed = ("aux", "final_hidden")
             features, loss_mask = source.load(item, window=functools.partial(
                 chunk_window, sp=layout.sp, sp_rank=layout.sp_rank, ttt_length=cfg.ttt_length))
@@ -404,8 +393,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         supervised = supervised_mask(loss_mask, features.attention_mask)
         if layout is None:
             return features, build_rowmap(supervised, cfg.ttt_length), None
-        from eagle3fn.parallel import collectives, shard_sequence
-
         features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
                                                  cfg.ttt_length, windowed=windowed)
         rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C)
@@ -420,8 +407,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
             obj = ttt(compute_params(), features, rowmap, ttt_cfg, d2t=d2t, t2d=t2d, collectives=coll)
             (obj.objective / cfg.grad_accum).backward()
             if layout:
-                from eagle3fn.parallel import reduce_grads
-
                 reduce_grads(trainable, whole)
             tokens += int(features.attention_mask[:, :rowmap.num_rows].sum())
             pos = min(i + dp, len(order))
