@@ -70,6 +70,8 @@ def test_matches_brute_force(case):
     assert rm.dead_steps == tuple(len(r) == 0 for r in rows)
     assert all(r.dtype == torch.int64 for r in rm.rows + rm.table_rows + rm.backbone_rows)
     assert rm.teacher_positions.dtype == torch.int64
+    assert rm.step0_rows.tolist() == sorted({r for step in rows for r in step})
+    assert rm.step0_rows.dtype == torch.int64
 
 
 def test_brute_force_catches_unshifted_rows():

@@ -10,7 +10,9 @@ training code runs it statelessly with ``torch.func.functional_call``.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -104,15 +106,51 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, flo
     return inv_freq, 1.0
 
 
+COMPILE_ELEMENTWISE = os.environ.get("EAGLE3FN_COMPILE", "1") != "0"
+"""Fuse the draft's elementwise chains (RMSNorm, RoPE, SwiGLU) with ``torch.compile``
+on CUDA tensors (one fused kernel each way instead of 5-15). Set the environment
+variable ``EAGLE3FN_COMPILE=0`` (or this flag) to run them eagerly; CPU tensors and
+``torch.func`` transforms always run eagerly."""
+
+
+def fused_on_cuda(fn):
+    """``fn`` compiled (shape-dynamic) for CUDA inputs, eager otherwise (same maths,
+    rounding may differ in the last bit: inductor keeps fp32 intermediates in registers)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(x: torch.Tensor, *args):
+        nonlocal compiled
+        if (not COMPILE_ELEMENTWISE or not x.is_cuda or torch.compiler.is_compiling()
+                or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args)
+
+    wrapper.eager = fn
+    return wrapper
+
+
+@functools.lru_cache(maxsize=32)
+def _device_frequencies(rope: RopeConfig, head_dim: int,
+                        device: torch.device) -> tuple[torch.Tensor, float]:
+    """``rope_frequencies`` already on ``device`` (a host-to-GPU copy per call would
+    stall the GPU queue at every step)."""
+    inv_freq, scale = rope_frequencies(rope, head_dim)
+    return inv_freq.to(device), scale
+
+
 def rope_cos_sin(positions: torch.Tensor, rope: RopeConfig, head_dim: int,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[*positions.shape, d]`` (``emb = cat(freqs, freqs)``), in ``dtype``."""
-    inv_freq, scale = rope_frequencies(rope, head_dim)
-    freqs = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    inv_freq, scale = _device_frequencies(rope, head_dim, positions.device)
+    freqs = positions.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+@fused_on_cuda
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama rotate-half RoPE: ``x*cos + rotate_half(x)*sin`` (non-interleaved)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -174,6 +212,7 @@ class DraftConfig:
         return self.target_hidden_size or self.hidden_size
 
 
+@fused_on_cuda
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` with fp32 (or fp64) math, output in the input dtype."""
     y = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -223,7 +262,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@fused_on_cuda
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -167,7 +167,8 @@ def step_terms(
     return StepTerms(
         loss_sum=loss_sum,
         correct=correct,
-        rows=torch.as_tensor(rows, device=logits_NV.device),
+        # torch.full for an int: as_tensor would copy from the host and sync the GPU.
+        rows=rows if isinstance(rows, torch.Tensor) else torch.full((), rows, device=logits_NV.device),
         gated=gate.sum(),
         accept_sum=accept.sum(),
         log_accept_sum=log_accept.sum(),
@@ -241,7 +242,7 @@ def objective(terms: Sequence[StepTerms], denominator: int | torch.Tensor,
     stack = lambda name: torch.stack([getattr(t, name) for t in terms])  # noqa: E731
     loss_sum, gated = stack("loss_sum"), stack("gated")
     if config.normalization == "local_mean":
-        kl = loss_sum / torch.as_tensor(denominator, device=loss_sum.device).to(loss_sum.dtype)
+        kl = loss_sum / denominator
     else:
         kl = _ratio(loss_sum, gated)
     acc = _ratio(stack("correct").to(loss_sum.dtype), stack("rows"))

@@ -36,7 +36,7 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     Returns:
         RowMap with ``rows[j] = sorted{b*C + s - j : mask[b,s], j <= s, s - j < C}``,
         ``teacher_positions`` = sorted flat ``b*T + s`` reached by some step,
-        ``table_rows[j]`` aligned with ``rows[j]``, ``backbone_rows``,
+        ``table_rows[j]`` aligned with ``rows[j]``, ``backbone_rows``, ``step0_rows``,
         ``denominator = B*C`` and ``dead_steps``. All tensors live on ``mask.device``.
     """
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
@@ -60,7 +60,13 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     device = mask.device
 
     win_kBC = _step_windows(mask, k, C)
-    rows = tuple(w.flatten().nonzero().flatten() for w in win_kBC)
+    # Rows any step >= j still needs: a suffix OR over the step windows.
+    need_kBC = win_kBC.flip(0).to(torch.int32).cumsum(dim=0).flip(0) > 0
+    # Every row list from one nonzero (two host syncs in all, not one per list).
+    flags = torch.cat([win_kBC.flatten(1), need_kBC.flatten(1)])  # [2k, B*C]
+    counts = flags.sum(dim=1).tolist()
+    lists = flags.nonzero()[:, 1].contiguous().split(counts)
+    rows = lists[:k]
 
     # A supervised s is reached iff some j < k has j <= s and s - j < C.
     pos_T = torch.arange(T, device=device)
@@ -73,17 +79,13 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     table_rows = tuple(
         table_index_BT[r + (r // max(C, 1)) * (T - C) + j] for j, r in enumerate(rows)
     )
-
-    # Rows any step >= j still needs: a suffix OR over the step windows.
-    need_kBC = win_kBC.flip(0).to(torch.int32).cumsum(dim=0).flip(0) > 0
-    backbone_rows = (torch.arange(B * C, device=device),) + tuple(
-        need_kBC[j].flatten().nonzero().flatten() for j in range(1, k)
-    )
+    backbone_rows = (torch.arange(B * C, device=device),) + lists[k + 1:]
     return RowMap(
         rows=rows,
         teacher_positions=teacher_positions,
         table_rows=table_rows,
         backbone_rows=backbone_rows,
+        step0_rows=lists[k],
         denominator=B * C,
         dead_steps=tuple(r.numel() == 0 for r in rows),
         batch_size=B,

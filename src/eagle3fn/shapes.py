@@ -52,6 +52,8 @@ class RowMap:
             teacher of each entry of ``rows[j]`` (aligned with it).
         backbone_rows: k int64 tensors; entry 0 is every row ``arange(B*C)``, entry
             ``j >= 1`` is ``union_{j' >= j} rows[j']`` (sorted).
+        step0_rows: int64, sorted ``union_j rows[j] = rows[0] | backbone_rows[1]``: the
+            rows whose step-0 layer output the trimmed backbone computes.
         denominator: ``B*C``, the ``local_mean`` divisor (padded rows included).
         dead_steps: k bools, ``rows[j]`` is empty.
         batch_size: B.
@@ -63,6 +65,7 @@ class RowMap:
     teacher_positions: torch.Tensor
     table_rows: tuple[torch.Tensor, ...]
     backbone_rows: tuple[torch.Tensor, ...]
+    step0_rows: torch.Tensor
     denominator: int
     dead_steps: tuple[bool, ...]
     batch_size: int

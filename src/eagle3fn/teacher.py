@@ -96,16 +96,18 @@ def teacher_table_from_hidden(
     U = hidden_UH.shape[0]
     dtype = _math_dtype(torch.promote_types(hidden_UH.dtype, lm_head_VH.dtype))
     device = hidden_UH.device
-    draft_col = torch.cumsum(t2d, dim=0) - 1  # draft id of each selected target id
-    draft_logits = torch.empty(U, int(t2d.sum()), dtype=dtype, device=device)
+    Vd = int(t2d.sum())
+    # Draft id of each selected target id; the others write a scratch column Vd (an
+    # index write, not a boolean-mask one, which would sync the GPU per chunk).
+    draft_col = torch.where(t2d, torch.cumsum(t2d, dim=0) - 1, Vd)
+    draft_logits = torch.empty(U, Vd + 1, dtype=dtype, device=device)
     run_max = torch.full((U,), float("-inf"), dtype=dtype, device=device)
     run_sum = torch.zeros(U, dtype=dtype, device=device)
     best_id = torch.zeros(U, dtype=torch.long, device=device)
     for start in range(0, V, chunk_size):
         end = min(start + chunk_size, V)
         z = F.linear(hidden_UH, lm_head_VH[start:end]).to(dtype)  # [U, chunk]
-        sel = t2d[start:end]
-        draft_logits[:, draft_col[start:end][sel]] = z[:, sel]
+        draft_logits.index_copy_(1, draft_col[start:end], z)
         chunk_arg = z.argmax(dim=-1)
         chunk_val = z.gather(1, chunk_arg[:, None]).squeeze(1)
         take = chunk_val > run_max
@@ -113,4 +115,4 @@ def teacher_table_from_hidden(
         new_max = torch.maximum(run_max, chunk_val)
         run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
         run_max = new_max
-    return _table(draft_logits, run_max + torch.log(run_sum), best_id, t2d)
+    return _table(draft_logits[:, :Vd], run_max + torch.log(run_sum), best_id, t2d)

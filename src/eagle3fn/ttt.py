@@ -218,7 +218,8 @@ def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Te
     v = torch.cat([pad(v) for _, v in keys] + [zeros] * (k_total - len(keys)), dim=2)
     valid = F.pad(valid_BC, (0, Cp - C))
     # A tensor, not an int: the compiled kernel must not specialise on the step.
-    step = torch.tensor(len(keys) - 1, device=q.device)
+    # (torch.full: a fill kernel; torch.tensor would copy from the host and sync.)
+    step = torch.full((), len(keys) - 1, device=q.device)
 
     def mask_mod(b, head, q_idx, kv_idx):
         segment, offset = kv_idx // Cp, kv_idx % Cp
@@ -290,10 +291,7 @@ def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
     ``b*C + p``): ``rows_0 | backbone_rows_1`` at step 0, ``backbone_rows_j`` after.
     Each is contained in the previous one, so a row's input feature and diagonal
     keys are always there."""
-    if rowmap.ttt_length == 1:
-        return (rowmap.rows[0],)
-    first = torch.unique(torch.cat([rowmap.rows[0], rowmap.backbone_rows[1]]))
-    return (first,) + tuple(rowmap.backbone_rows[1:])
+    return (rowmap.step0_rows,) + tuple(rowmap.backbone_rows[1:])
 
 
 def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
@@ -357,18 +355,18 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
     as_BgCd = lambda x: x.view(B, C, -1, cfg.d).transpose(1, 2)  # noqa: E731
 
-    def rope(x, idx, j):
-        cos, sin = rope_cos_sin(pos_flat[idx] + j, cfg.rope, cfg.d, x.dtype)
-        return apply_rope(x, cos[:, None], sin[:, None])
+    def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
+        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype)
+        return cos[:, None], sin[:, None]
 
     # Step 0: keys/values of every row; the rest only for rows[0].
     emb = draft.embed_tokens(ids_next[:, :C]).flatten(0, 1).to(g_all.dtype)
     u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_all)), dim=-1)
-    every = torch.arange(B * C, device=u.device)
-    k0 = rope(heads(attn.k_proj(u), cfg.num_kv_heads), every, 0)
+    cos, sin = rope_at(pos_flat)
+    k0 = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
     keys = [(as_BgCd(k0), as_BgCd(heads(attn.v_proj(u), cfg.num_kv_heads)))]
     r0 = rows[0]
-    q = rope(heads(attn.q_proj(u[r0]), cfg.num_heads), r0, 0)
+    q = apply_rope(heads(attn.q_proj(u[r0]), cfg.num_heads), cos[r0], sin[r0])
     r = g_all[r0] + attn.o_proj(_attend_rows(attend, q, keys, valid, r0, skip_blocks))
     out = r + layer.mlp(layer.post_attention_layernorm(r))
     outs, prev_rows = [out], r0
@@ -380,9 +378,10 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
         ids_j = shift_left(ids_next, j)[:, :C].reshape(-1)[rj]
         u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
                        layer.hidden_norm(g)), dim=-1)
-        q = rope(heads(attn.q_proj(u), cfg.num_heads), rj, j)
-        kv = [heads(attn.k_proj(u), cfg.num_kv_heads), heads(attn.v_proj(u), cfg.num_kv_heads)]
-        kv[0] = rope(kv[0], rj, j)
+        cos, sin = rope_at(pos_flat[rj] + j)
+        q = apply_rope(heads(attn.q_proj(u), cfg.num_heads), cos, sin)
+        kv = [apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin),
+              heads(attn.v_proj(u), cfg.num_kv_heads)]
         dense = [x.new_zeros(B * C, cfg.num_kv_heads, cfg.d).index_copy(0, rj, x) for x in kv]
         keys.append((as_BgCd(dense[0]), as_BgCd(dense[1])))
         r = g + attn.o_proj(_attend_rows(attend, q, keys, valid, rj, skip_blocks))
