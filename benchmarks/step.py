@@ -12,6 +12,7 @@ warm-ups then the median of >= 6 steps timed with CUDA events; peak =
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -22,6 +23,7 @@ import torch
 import tyro
 
 from eagle3fn.align import shift_left, supervised_mask
+import eagle3fn.draft as draft_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
@@ -61,6 +63,11 @@ class BenchArgs:
     """Write the results here as JSON."""
     profile: str | None = None
     """Profile one step of each mode after timing and write the kernel tables here."""
+    diagnose: bool = False
+    """Also report per mode: host ms (time for the Python of one step to return, before
+    the GPU finishes), GPU busy ms (sum of kernel times in a profiled step), kernel
+    launches and host-device syncs in one step (``torch.cuda.set_sync_debug_mode``).
+    A step is host-bound when its median is near its host ms, not its busy ms."""
 
 
 def matmul_tflops() -> float:
@@ -191,6 +198,36 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
+def diagnose(step, iters: int) -> dict:
+    """Host ms, GPU busy ms, kernel launches and syncs of one step (see ``--diagnose``)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return dict(host_ms=round(statistics.median(host), 2),
+                busy_ms=round(sum(e.self_device_time_total for e in kernels) / 1e3, 2),
+                kernels=sum(e.count for e in kernels), syncs=syncs)
+
+
 def profile_step(step, path: str, title: str) -> None:
     """Append the top kernels and ops of one profiled step to ``path``."""
     from torch.profiler import ProfilerActivity, profile
@@ -223,30 +260,40 @@ def main(args: BenchArgs) -> None:
                         step = mesh_step(args, cfg, params, features, loss_mask, d2t, t2d)
                     else:
                         step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
+                    extra = {}
                     try:
                         ms, gib = timed(step, args.warmup, args.iters)
+                        if args.diagnose:
+                            extra = diagnose(step, args.iters)
                         if args.profile:
                             profile_step(step, f"{args.profile}", f"S={S} {density} {pattern} mode={mode}")
                     except torch.OutOfMemoryError:
                         ms, gib = float("nan"), float("nan")
+                    # Drop this mode's closures (SpecForge's model holds its own weights)
+                    # so the next mode's peak starts from the same memory.
+                    del step
+                    gc.collect()
                     torch.cuda.empty_cache()
                     rows.append(dict(S=S, mode=mode, density=density, pattern=pattern,
-                                     median_ms=round(ms, 2), peak_gib=round(gib, 2)))
+                                     median_ms=round(ms, 2), peak_gib=round(gib, 2), **extra))
                     print(rows[-1], flush=True)
                     if args.json:  # after every row: a killed run keeps what it measured
                         with open(args.json, "w") as f:
                             json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
+                                           compile_elementwise=draft_module.COMPILE_ELEMENTWISE,
                                            device=torch.cuda.get_device_name(),
                                            torch=torch.__version__), f, indent=1)
     key = lambda r: (r["S"], r["density"], r["pattern"])  # noqa: E731
     base = {key(r): r["median_ms"] for r in rows if r["mode"] == "specforge"}
     print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s")
+    extra = ("host_ms", "busy_ms", "kernels", "syncs") if args.diagnose else ()
     print(f"{'S':>7} {'density':>8} {'pattern':>10} {'mode':>10} {'median ms':>10} {'peak GiB':>9} "
-          f"{'vs SpecForge':>13}")
+          f"{'vs SpecForge':>13}" + "".join(f" {e:>8}" for e in extra))
     for r in rows:
         ratio = r["median_ms"] / base[key(r)] if key(r) in base else float("nan")
         print(f"{r['S']:>7} {r['density']:>8.0%} {r['pattern']:>10} {r['mode']:>10} "
-              f"{r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x")
+              f"{r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x"
+              + "".join(f" {r.get(e, float('nan')):>8}" for e in extra))
 
 
 if __name__ == "__main__":

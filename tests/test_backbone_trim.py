@@ -130,50 +130,6 @@ def test_flex_backbone_forward_equals_eager_on_cpu():
     torch.testing.assert_close(out["flex"].acc, out["eager"].acc)
 
 
-def test_flex_skips_only_blocks_without_needed_rows():
-    """active_BC: rows in an active query block keep their exact output, and the block
-    lists (what the compiled GPU kernel reads; the CPU fallback evaluates the mask
-    densely) are create_block_mask's derivation with inactive query blocks emptied.
-    Negative control: the lists without skipping differ from the skipping ones."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from eagle3fn.ttt import FLEX_BLOCK, eagle_block_mask, eager_attention, flex_attention_step
-
-    g = torch.Generator().manual_seed(2)
-    B, h, gk, d, C, k = 2, 4, 2, 8, 3 * FLEX_BLOCK + 10, 3
-    lengths = torch.tensor([C, 2 * FLEX_BLOCK + 3])
-    valid = torch.arange(C)[None] < lengths[:, None]
-    q = torch.randn(B, h, C, d, generator=g)
-    keys = [(torch.randn(B, gk, C, d, generator=g), torch.randn(B, gk, C, d, generator=g))
-            for _ in range(2)]
-    active = torch.zeros(B, C, dtype=torch.bool)
-    active[0, FLEX_BLOCK + 5: FLEX_BLOCK + 40] = True  # one block of sample 0
-    active[1, 2 * FLEX_BLOCK + 1] = True
-    want = eager_attention(q, keys, valid)
-    got = flex_attention_step(q, keys, valid, ttt_length=k, active_BC=active)
-    for b in range(B):
-        torch.testing.assert_close(got[b][:, active[b]], want[b][:, active[b]], rtol=1e-5, atol=1e-5)
-
-    Cp = 4 * FLEX_BLOCK
-    valid_p = torch.arange(Cp)[None] < lengths[:, None]
-    active_n = torch.nn.functional.pad(active, (0, Cp - C)).view(B, 4, FLEX_BLOCK).any(-1)
-    for j in range(k):
-        def mask_mod(b, head, q_idx, kv_idx, j=j):
-            segment, offset = kv_idx // Cp, kv_idx % Cp
-            causal = (segment == 0) & (offset <= q_idx) & valid_p[b, offset]
-            return causal | ((segment > 0) & (segment <= j) & (offset == q_idx))
-
-        def skipped_mod(b, head, q_idx, kv_idx, j=j):
-            return mask_mod(b, head, q_idx, kv_idx) & active_n[b, q_idx // FLEX_BLOCK]
-
-        ours = eagle_block_mask(lengths, Cp, k, j, mask_mod, active_n)
-        dense = create_block_mask(skipped_mod, B, None, Cp, k * Cp, device="cpu")
-        assert torch.equal(ours.to_dense(), dense.to_dense()), j
-        assert not ours.to_dense()[~active_n[:, None].expand(-1, 1, -1)].any()
-        unskipped = eagle_block_mask(lengths, Cp, k, j, mask_mod)
-        assert not torch.equal(unskipped.to_dense(), ours.to_dense())
-
-
 def test_auto_picks_by_computed_rows_and_stays_exact():
     """trim="auto": backbone when the computed layer rows are at most the calibrated
     fraction of k*B*C, else none; either way the one-rank full result."""

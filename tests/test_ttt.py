@@ -332,54 +332,103 @@ def test_flex_path_forward_equals_eager_on_cpu():
     torch.testing.assert_close(out["flex"].accept, out["eager"].accept, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
-                                       (40, (40, 7, 1, 39))])
-def test_flex_step_against_exact_with_negative_control(C, lengths):
-    """Hand-built block mask: segments padded to 128, edge blocks at every length."""
-    from eagle3fn.ttt import flex_attention_step
+def _rows_of(pattern: str, lengths, C: int, seed: int = 0) -> torch.Tensor:
+    """Flat rows ``b*C + p``: every row (padding included), each sample's last 30% of
+    real rows (contiguous), or 30% of real rows at random (scattered)."""
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "all":
+        return torch.arange(len(lengths) * C)
+    picked = []
+    for b, L in enumerate(lengths):
+        if pattern == "tail":
+            p = torch.arange(L - max(1, int(0.3 * L)), L)
+        else:
+            p = torch.randperm(L, generator=g)[: max(1, int(0.3 * L))].sort().values
+        picked.append(b * C + p)
+    return torch.cat(picked)
 
-    g = torch.Generator().manual_seed(1)
-    B, h, gk, d, k = len(lengths), 4, 2, 8, 4
+
+def _packed_case(C, lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    B, h, gk, d = len(lengths), 4, 2, 8
     valid = torch.arange(C)[None] < torch.tensor(lengths)[:, None]
     q = torch.randn(B, h, C, d, generator=g)
     keys = [(torch.randn(B, gk, C, d, generator=g), torch.randn(B, gk, C, d, generator=g))
-            for _ in range(3)]
-    for j in range(3):
-        want = eager_attention(q, keys[: j + 1], valid)
-        got = flex_attention_step(q, keys[: j + 1], valid, ttt_length=k)
-        for b, L in enumerate(lengths):
-            torch.testing.assert_close(got[b, :, :L], want[b, :, :L], rtol=1e-5, atol=1e-5)
-    wrong = flex_attention_step(q, keys[:2], valid, ttt_length=k)
-    assert not torch.allclose(wrong[0], eager_attention(q, keys, valid)[0], atol=1e-3)
+            for _ in range(4)]
+    return q, keys, valid
 
 
-@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256))])
-def test_hand_built_block_mask_equals_dense_derivation(C, lengths):
-    """The block lists the compiled kernel uses (which the CPU path never reads) list
-    exactly the blocks create_block_mask derives from the dense mask, with the same
-    full/partial split."""
+@pytest.mark.parametrize("pattern", ["all", "tail", "scattered"])
+@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
+                                       (40, (40, 7, 1, 39))])
+def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
+    """FlexAttention over packed query rows (step-0 keys, then the diagonal keys merged
+    by log-sum-exp) equals the dense eager attention at those rows, for B > 1 with
+    padding, rows spanning samples and block edges at every length."""
+    from eagle3fn.ttt import packed_flex_attention, packed_keys
+
+    q, keys, valid = _packed_case(C, lengths)
+    B, h, _, d = q.shape
+    flat = lambda x: x.transpose(1, 2).flatten(0, 1)  # noqa: E731 - [B*C, n, d]
+    rows = _rows_of(pattern, lengths, C)
+    lengths_t = torch.tensor(lengths)
+    packed = packed_keys(flat(keys[0][0]), flat(keys[0][1]))
+    for j in range(4):
+        want = flat(eager_attention(q, keys[: j + 1], valid))[rows]
+        diagonal = None if j == 0 else tuple(
+            torch.stack([flat(kv[i])[rows] for kv in keys[1: j + 1]]) for i in (0, 1))
+        got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths_t, C)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Negative controls: one diagonal step missing; queries at rows shifted by one.
+    wrong = packed_flex_attention(flat(q)[rows], rows, packed, tuple(x[:-1] for x in diagonal),
+                                  lengths_t, C)
+    assert not torch.allclose(wrong, want, atol=1e-3)
+    shifted = packed_flex_attention(flat(q)[rows], (rows - 1).clamp_min(0), packed, diagonal, lengths_t, C)
+    assert not torch.allclose(shifted, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("pattern", ["all", "tail", "scattered"])
+@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
+                                       (700, (700,))])
+def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
+    """The block lists the compiled kernel reads (the CPU path never does) are, on every
+    query block holding a real query, create_block_mask's derivation from the dense
+    mask: the same full blocks, and its partial blocks (plus, where a query block
+    spans samples, blocks inside the gap between their windows); blocks of padding
+    queries list nothing. Negative control: windows one block too long give other lists."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eagle3fn.ttt import FLEX_BLOCK, eagle_block_mask
+    from eagle3fn.ttt import FLEX_BLOCK, packed_block_mask
 
-    k = 4
-    Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
-    lengths_t = torch.tensor(lengths)
-    valid = torch.arange(Cp)[None] < lengths_t[:, None]
-    for j in range(k):
-        def mask_mod(b, head, q_idx, kv_idx):
-            segment, offset = kv_idx // Cp, kv_idx % Cp
-            causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
-            return causal | ((segment > 0) & (segment <= j) & (offset == q_idx))
+    def windows(rows):
+        Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
+        qflat = torch.cat([rows, rows[-1:].expand(Lp - rows.numel())])
+        start = qflat // C * C
+        return start, torch.minimum(qflat, start + torch.tensor(lengths)[qflat // C] - 1), Lp
 
-        ours = eagle_block_mask(lengths_t, Cp, k, j, mask_mod)
-        dense = create_block_mask(mask_mod, len(lengths), None, Cp, k * Cp, device="cpu")
-        assert torch.equal(ours.to_dense(), dense.to_dense()), j
+    def lists(bm, active_blocks):
+        out = []
+        for kind in ("kv", "full_kv"):
+            n = getattr(bm, f"{kind}_num_blocks")[0, 0]
+            idx = getattr(bm, f"{kind}_indices")[0, 0]
+            out.append(sorted((m, int(idx[m, t])) for m in active_blocks for t in range(int(n[m]))))
+        return out
 
-        def full_set(bm):
-            n = bm.full_kv_num_blocks[:, 0]
-            idx = bm.full_kv_indices[:, 0]
-            return {(b, m, int(idx[b, m, t])) for b in range(n.shape[0]) for m in range(n.shape[1])
-                    for t in range(int(n[b, m]))}
-
-        assert full_set(ours) == full_set(dense), j
+    rows = _rows_of(pattern, lengths, C)
+    start, last, Lp = windows(rows)
+    mask_mod = lambda b, h, q, kv: (kv >= start[q]) & (kv <= last[q])  # noqa: E731
+    ours = packed_block_mask(start, last, rows.numel(), mask_mod)
+    dense = create_block_mask(mask_mod, 1, None, Lp, Lp, device="cpu")
+    active = range(-(-rows.numel() // FLEX_BLOCK))
+    (partial, full), (want_partial, want_full) = lists(ours, active), lists(dense, active)
+    assert full == want_full
+    # Partial lists may add a key block no window reaches, only where a query block
+    # spans samples (the union of windows has a gap there; the mask_mod rejects it).
+    assert set(want_partial) <= set(partial) and len(set(partial)) == len(partial)
+    spans = {m for m in active if len(set((rows[m * FLEX_BLOCK:(m + 1) * FLEX_BLOCK] // C).tolist())) > 1}
+    assert {m for m, _ in set(partial) - set(want_partial)} <= spans
+    assert not ours.kv_num_blocks[0, 0, len(active):].any()
+    assert not ours.full_kv_num_blocks[0, 0, len(active):].any()
+    # Windows one block too long (and blind to sample starts) list other blocks.
+    wrong = packed_block_mask(start * 0, last + FLEX_BLOCK, rows.numel(), mask_mod)
+    assert lists(wrong, active)[1] != want_full

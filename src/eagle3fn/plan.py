@@ -2,27 +2,40 @@
 
 Legend: S sequence length, B batch, sp sequence-parallel degree, C = ceil(S/sp) own
 rows per sample on one rank, T = C + tail local buffer (tail = k when sp > 1, else 0),
-Cp = C rounded up to the flex block (128), k TTT length, H draft hidden, Ht target
-hidden, I MLP width, h heads, g kv heads, d head dim, V target vocab, Vd draft vocab,
-b bytes per compute-dtype element, n_j loss rows of step j, m_j layer rows of step j,
-U teacher positions.
+R = B*C rows of a rank, Lp = R rounded up to the flex block (128), the packed
+FlexAttention length, k TTT length, H draft hidden, Ht target hidden, I MLP width,
+h heads, g kv heads, d head dim, V target vocab, Vd draft vocab, b bytes per
+compute-dtype element, n_j loss rows of step j, m_j layer rows of step j (R, or the
+computed rows under ``trim="backbone"``), U teacher positions.
 
 The memory model is the list of tensors ``ttt.ttt`` keeps for backward, op by op
-(RMSNorm keeps its fp32 input, its rsqrt and its pre-weight output; each linear its
-input; SwiGLU four ``[rows, I]``; FlexAttention its query, the k-segment key and value
-concatenations, its output and log-sum-exp; the fused head only its input rows; the
-unfused head its logits), plus what lives beside them at each moment a step can
-peak: while the teacher table is built, in the last layer step and the last head of
-the forward, in the heads' backward (recorded last, they run first) and in the
-layer's backward of each step (``Memory.phases``). The tests (tests/test_plan.py) run
-the real ``ttt`` on CPU under ``saved_tensors_hooks`` and compare with
-``Memory.saved_total``; the peak also depends on the GPU constants below.
+(each linear its input; each RMSNorm, fused, its input and rsqrt, or, eager, its fp32
+input, rsqrt and pre-weight output; SwiGLU three ``[m_j, I]`` fused, four eager; the
+packed FlexAttention its query and output ``[1, h, Lp, d]``, log-sum-exp and block
+mask, and once per batch the step-0 keys and values ``[1, g, Lp, d]``; the diagonal
+merge its query and the stacked own keys and values ``[j, m_j, g, d]``, fused, or fp32
+copies, eager; the fused head only its input rows; the unfused head its logits),
+plus what lives beside them at each moment a step can peak: while the teacher table
+is built, in the last layer step and the last head of the forward, in the heads'
+backward (recorded last, they run first) and in the layer's backward of each step
+(``Memory.phases``).
+
+"Fused" is the CUDA path: ``draft.fused_on_cuda`` compiles RMSNorm, RoPE, SwiGLU and
+``ttt.merge_diagonal`` with inductor, whose partitioner keeps only the inputs the
+backward needs (the fp32 intermediates are recomputed in registers). The plan assumes
+it when ``draft.COMPILE_ELEMENTWISE`` is on (the default; ``EAGLE3FN_COMPILE=0``
+turns both off). The tests (tests/test_plan.py) run the real ``ttt`` on CPU under
+``saved_tensors_hooks``, eager and with those four functions compiled by CPU inductor,
+and compare with ``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the
+H200) keeps the same tensors as the CPU one, and the peak, rest on the GPU constants
+below and on measurements.
 
 FLOPs are counted as the code executes them: every GEMM (forward, and backward as
 two GEMMs per weight, one where the input needs no gradient), FlexAttention per
-computed 128x128 block (causal blocks, the diagonal blocks of steps 1..j, inactive
-query blocks skipped under ``trim="backbone"``), the fused head's recomputation, and
-the streamed teacher (forward only).
+computed 128x128 block of the packed mask (``ttt.packed_block_mask``: per active
+query block, the key blocks from its first row's sample start to its last row; the
+diagonal keys are merged elementwise and not counted), the fused head's
+recomputation, and the streamed teacher (forward only).
 """
 
 from __future__ import annotations
@@ -41,7 +54,8 @@ from eagle3fn.ttt import FLEX_BLOCK, TTTConfig
 GiB = 2**30
 
 # ---- GPU constants: calibrated on one H200 (torch 2.11 + cu130) at the BENCH.md 8B
-# shapes against measured ``max_memory_allocated`` (docs/tutorials/plan.md has the
+# shapes against measured ``max_memory_allocated`` of the code before the packed
+# FlexAttention path and the fused elementwise chains (docs/tutorials/plan.md has the
 # validation table). Recalibrate them when torch, the kernels or the GPU change. ------
 
 ALLOCATOR_OVERHEAD_BYTES = 64 * 2**20
@@ -51,20 +65,15 @@ first GEMM) and the 512-byte rounding of blocks. Measured on the H200: 63 MiB ab
 parameters + features before a step, at 8192 and at 16384 tokens."""
 
 FLEX_BACKWARD_WORKSPACE = 1.0
-"""FlexAttention backward working memory, as a multiple of ``dq + dk + dv``
-(``[B, h, Cp, d]`` and two ``[B, g, k*Cp, d]``). Not yet calibrated: on the H200 at
-8192-16384 tokens the step peaks in the forward or in the heads' backward, never
-inside an attention backward."""
-
-FLEX_OUTPUT_FOLLOWS_QUERY = True
-"""FlexAttention lays its output out like its query. When C is a multiple of 128 the
-padded query is a clone of the ``[B, C, h, d]``-ordered projection, so ``o_proj``'s
-input is a view of the output; otherwise padding makes it ``[B, h, Cp, d]`` and
-``o_proj`` keeps a copy. Seen on the CPU reference and the compiled H200 kernel."""
+"""FlexAttention backward working memory, as a multiple of ``dq``, the output
+gradient's copy (``[1, h, Lp, d]`` each) and ``dk + dv`` (two ``[1, g, Lp, d]``). Not
+yet calibrated: on the H200 at 8192-16384 tokens the step peaked in the forward or
+in the heads' backward, never inside an attention backward."""
 
 FLEX_SAVES_MAX_SCORES = True
-"""FlexAttention keeps an fp32 ``[B, h, Cp]`` row maximum beside the log-sum-exp
-(torch's autograd op does; 1 MiB per step at 8B shapes, within the H200 match)."""
+"""FlexAttention keeps an fp32 ``[1, h, Lp]`` row maximum beside its log-sum-exp
+(torch's eager autograd op does, as the CPU tests measure; whether the compiled
+graph keeps it is not measured: 1 MiB per step at 8B shapes and 8192 tokens)."""
 
 ROWMAP_MAX_POSITIONS = 1 << 16
 """Up to this many buffer positions per rank (B*T) the rows come from a real
@@ -207,8 +216,9 @@ class Rows:
             backbone trimming, ``|computed_rows_j|`` with it).
         kv_rows: rows whose step-0 keys/values are computed (always ``B*C``).
         teacher_positions: U, rows of the teacher table (``B*T`` under ``trim="none"``).
-        attention_blocks: ``[k]``, 128x128 blocks FlexAttention computes at step j (query
-            blocks without a needed row are skipped under backbone trimming).
+        attention_blocks: ``[k]``, 128x128 blocks FlexAttention computes at step j: the
+            partial + full blocks of ``ttt.packed_block_mask`` for the ``m_j`` packed
+            queries (only their ``ceil(m_j/128)`` query blocks are active).
         exact: counts from a real row map or exact interval maths (False: expected
             counts of the scattered pattern).
     """
@@ -342,14 +352,44 @@ def synthetic_mask(args: PlanArgs, rank: int = 0) -> torch.Tensor:
     return out
 
 
-def _block_costs(nb: int, real: int, j: int) -> torch.Tensor:
-    """int64 ``[nb]``: 128x128 key blocks FlexAttention computes for each query block
-    at step j of a sample with ``real`` valid rows (``ttt.eagle_block_mask``): the full
-    causal blocks below it, the edge block, and j diagonal blocks."""
-    m = torch.arange(nb)
-    full = m.clamp(max=real // FLEX_BLOCK)
-    last_real = -(-real // FLEX_BLOCK) - 1
-    return full + (full <= m.clamp(max=last_real)).long() + j
+def _packed_blocks(rows_N: torch.Tensor, C: int, real: int) -> float:
+    """128x128 blocks FlexAttention computes for the packed queries of the sorted flat
+    rows ``rows_N`` (``ttt.packed_flex_attention``), by ``ttt.packed_block_mask``'s
+    formula: each active query block (``ceil(N/128)`` of them) lists the key blocks
+    from the sample start of its first row to the last visible key of its last row,
+    partial and full together (``hi - lo + 1``); a sample holds ``real`` real rows."""
+    N = rows_N.numel()
+    if N == 0:
+        return 0.0  # packed_flex_attention returns before FlexAttention
+    first = rows_N[::FLEX_BLOCK]
+    final = rows_N[(torch.arange(first.numel()) * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=N - 1)]
+    lo = (first // C * C) // FLEX_BLOCK
+    last = torch.minimum(final, final // C * C + real - 1)
+    hi = torch.maximum(last // FLEX_BLOCK, lo)
+    return float((hi - lo + 1).sum())
+
+
+def _mask_blocks(rows_N: torch.Tensor, B: int, C: int, real: int) -> float:
+    """``_packed_blocks`` read off the real ``ttt.packed_block_mask`` (partial + full
+    blocks), with the query windows ``packed_flex_attention`` gives it."""
+    from eagle3fn.ttt import packed_block_mask
+
+    N = rows_N.numel()
+    if N == 0:
+        return 0.0
+    Lp = max(-(-B * C // FLEX_BLOCK), 1) * FLEX_BLOCK
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(Lp - N)])
+    start = qflat // C * C
+    mask = packed_block_mask(start, torch.minimum(qflat, start + real - 1), N, None)
+    return float(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
+
+
+def _interval_rows(intervals, B: int, C: int) -> torch.Tensor:
+    """Sorted flat rows ``b*C + p`` of every sample for own rows p in the closed
+    ``intervals``."""
+    own = [torch.arange(lo, hi + 1) for lo, hi in intervals if hi >= lo]
+    p = torch.cat(own) if own else torch.zeros(0, dtype=torch.long)
+    return (torch.arange(B)[:, None] * C + p[None]).flatten()
 
 
 def _real_rows(args: PlanArgs, rank: int) -> int:
@@ -359,20 +399,14 @@ def _real_rows(args: PlanArgs, rank: int) -> int:
 
 def _rows_from_rowmap(args: PlanArgs, rank: int, rm) -> tuple:
     """(loss rows, computed rows, flex blocks of the computed rows, U) from the real
-    row map ``rm`` of ``synthetic_mask``."""
+    row map ``rm`` of ``synthetic_mask`` (blocks from the real ``packed_block_mask``)."""
     from eagle3fn.ttt import computed_rows
 
-    C, k = args.own_rows, args.ttt_length
-    nb = -(-C // FLEX_BLOCK)
     comp = computed_rows(rm)
     real = _real_rows(args, rank)
-    blocks = []
-    for j, c in enumerate(comp):
-        active = torch.zeros(args.batch, nb, dtype=torch.bool)
-        active.view(-1)[(c // C) * nb + (c % C) // FLEX_BLOCK] = True
-        blocks.append(float((_block_costs(nb, real, j) * active).sum()))
+    blocks = tuple(_mask_blocks(c, args.batch, args.own_rows, real) for c in comp)
     return (tuple(float(r.numel()) for r in rm.rows), tuple(float(c.numel()) for c in comp),
-            tuple(blocks), float(rm.teacher_positions.numel()))
+            blocks, float(rm.teacher_positions.numel()))
 
 
 def _limits(args: PlanArgs, rank: int) -> list[int]:
@@ -396,9 +430,9 @@ def _merge(intervals) -> list[tuple[int, int]]:
 def _rows_from_counts(args: PlanArgs, rank: int) -> tuple:
     """``_rows_from_rowmap``'s counts in closed form: exact interval maths for ``tail``,
     expectations for ``scattered`` (row p is needed from step j on with probability
-    ``1 - (1-q)^v``, v the steps ``>= j`` whose teacher of p can be supervised)."""
+    ``1 - (1-q)^v``, v the steps ``>= j`` whose teacher of p can be supervised; the
+    flex blocks of rows placed at the quantiles of that expected density)."""
     B, C, k, o = args.batch, args.own_rows, args.ttt_length, rank * args.own_rows
-    nb = -(-C // FLEX_BLOCK)
     L = _limits(args, rank)
     real = _real_rows(args, rank)
     s_hi = min(args.buffer_len - 1, args.seq_len - 2 - o, C + k - 2)
@@ -407,30 +441,23 @@ def _rows_from_counts(args: PlanArgs, rank: int) -> tuple:
         span = [(max(0, a - o - j), L[j]) for j in range(k)]
         comp = [_merge(span)] + [_merge(span[j:]) for j in range(1, k)]
         size = lambda iv: float(B * sum(hi - lo + 1 for lo, hi in iv))  # noqa: E731
-        blocks = []
-        for j, iv in enumerate(comp):
-            active = torch.zeros(nb, dtype=torch.bool)
-            for lo, hi in iv:
-                active[lo // FLEX_BLOCK: hi // FLEX_BLOCK + 1] = True
-            blocks.append(float(B * _block_costs(nb, real, j)[active].sum()))
+        blocks = tuple(_packed_blocks(_interval_rows(iv, B, C), C, real) for iv in comp)
         U = float(B * max(0, s_hi - max(a - o, 0) + 1))
-        return tuple(size(_merge([span[j]])) for j in range(k)), tuple(size(iv) for iv in comp), tuple(blocks), U
+        return tuple(size(_merge([span[j]])) for j in range(k)), tuple(size(iv) for iv in comp), blocks, U
     q = args.density
+    p = torch.arange(max(C, 0))
 
     def expected(j0: int) -> tuple[float, float]:
-        rows, prev, last = 0.0, -1, -1
-        for v in range(k - j0, 0, -1):  # L is non-increasing: p <= L_{j0+v-1} has v steps
-            hi = L[j0 + v - 1]
-            rows += max(0, hi - prev) * (1 - (1 - q) ** v)
-            prev, last = max(prev, hi), max(last, hi)
-        p_row = 1 - (1 - q) ** (k - j0)  # interior rows; blocks hold 128 of them
-        starts = torch.arange(nb) * FLEX_BLOCK
-        n = ((last + 1) - starts).clamp(0, FLEX_BLOCK).double()
-        active = 1 - (1 - p_row) ** n
-        return B * rows, B * float((active * _block_costs(nb, real, j0)).sum())
+        steps = (p[:, None] <= torch.tensor(L[j0:])[None]).sum(1)  # v of each own row
+        density = 1 - (1 - q) ** steps.double()
+        cumulative = density.cumsum(0)
+        n = round(float(cumulative[-1])) if C else 0
+        at = torch.searchsorted(cumulative, torch.arange(n, dtype=torch.float64) + 0.5)
+        flat = (torch.arange(B)[:, None] * C + at[None]).flatten()
+        return B * float(density.sum()), _packed_blocks(flat, C, real)
 
     loss = tuple(B * q * max(0, L[j] + 1) for j in range(k))
-    comp = [expected(0)] + [expected(j) for j in range(1, k)]
+    comp = [expected(j) for j in range(k)]
     return loss, tuple(c for c, _ in comp), tuple(b for _, b in comp), float(B * q * max(0, s_hi + 1))
 
 
@@ -470,11 +497,9 @@ def plan_rows(args: PlanArgs, rank: int = 0) -> Rows:
         loss, computed, blocks, U = _rows_from_counts(args, rank)
         exact = args.pattern == "tail"
     trim = args.trim if args.trim != "auto" else _auto_choice(args, computed, rowmap)
-    real = _real_rows(args, rank)
-    if trim != "backbone":
-        nb = -(-C // FLEX_BLOCK)
+    if trim != "backbone":  # every row's query, at every step
         computed = (float(B * C),) * k
-        blocks = tuple(float(B * _block_costs(nb, real, j).sum()) for j in range(k))
+        blocks = (_packed_blocks(torch.arange(B * C), C, _real_rows(args, rank)),) * k
     if trim == "none":
         U = float(B * T)
     return Rows(rank=rank, trim=trim, loss_rows=loss, layer_rows=computed, kv_rows=B * C,
@@ -499,25 +524,70 @@ def _param_counts(args: PlanArgs) -> tuple[int, int]:
     return embed + trainable, trainable
 
 
-def _flex_mask_bytes(B: int, nb: int, k: int) -> int:
-    """int32 block-mask tables of one step: kv and q tables, partial and full."""
-    return 4 * (2 * B * nb + 2 * B * nb * k * nb + 2 * B * k * nb + 2 * B * k * nb * nb)
+def _fused() -> bool:
+    """Whether the draft's elementwise chains (RMSNorm, RoPE, SwiGLU) and the diagonal
+    merge run fused by ``torch.compile``, as on CUDA (``draft.COMPILE_ELEMENTWISE``,
+    off with ``EAGLE3FN_COMPILE=0``); off: eager, as on CPU."""
+    from eagle3fn import draft
+
+    return bool(draft.COMPILE_ELEMENTWISE)
 
 
-def _attention_saved(args: PlanArgs, j: int, kind: str | None = None,
-                     hops: int | None = None) -> float:
-    """Bytes the attention call of step j keeps for backward (every path runs the
-    dense ``[B, h, C, d]`` queries; trimmed rows are zeros there). ``kind`` and
-    ``hops`` (earlier ring blocks seen) default to the planned rank's."""
-    b, B, C, k = args.dtype_bytes, args.batch, args.own_rows, args.ttt_length
+def _packed_len(args: PlanArgs) -> int:
+    """Lp, the packed FlexAttention length: ``B*C`` rounded up to the flex block."""
+    return max(-(-args.batch * args.own_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
+
+
+def _flex_mask_bytes(Lp: int) -> int:
+    """One step's ``packed_block_mask``: int32 kv and q tables, partial and full
+    (``[M]`` counts and ``[M, M]`` indices each, M = Lp/128), and the int64 query
+    windows (start, last ``[Lp]``) its ``mask_mod`` captures."""
+    M = Lp // FLEX_BLOCK
+    return 4 * 4 * (M + M * M) + 2 * Lp * 8
+
+
+def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool) -> float:
+    """What ``ttt.merge_diagonal`` keeps at step ``j >= 1`` for ``m`` rows: always the
+    natural-log log-sum-exp FlexAttention returns (fp32 ``[1, h, Lp]``, apart from
+    the one it keeps itself); ``o`` is a view of the FlexAttention output, counted
+    there.
+
+    Fused (inductor; the tests check this on CPU inductor): its inputs q ``[m, h, d]``
+    and the diagonal keys and values ``[j, m, g, d]``, and the fp32 diagonal scores
+    ``[j, m, h]``. Eager, all fp32: q and the keys and values (copies in bf16, the
+    tensors themselves in fp32), o (a copy in bf16), the scores, their maximum and
+    exponentials, the numerator ``[m, h, d]`` and the denominator ``[m, h]``."""
+    b, h, g, d = args.dtype_bytes, args.heads, args.kv_heads, args.d
+    if j == 0:
+        return 0.0
+    P, G, sh = m * h * d, m * g * d, m * h
+    lse = _packed_len(args) * h * 4
+    if fused:
+        return lse + P * b + 2 * j * G * b + j * sh * 4 + 4
+    return lse + P * 4 * (2 if b == 4 else 3) + 2 * j * G * 4 + (2 * j + 3) * sh * 4
+
+
+def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str | None = None,
+                     hops: int | None = None, fused: bool | None = None) -> float:
+    """Bytes the attention call of step j keeps for backward, for ``m`` query rows
+    (default every row, ``B*C``). ``kind`` and ``hops`` (earlier ring blocks seen)
+    default to the planned rank's, ``fused`` to ``_fused()``.
+
+    flex (``ttt.packed_flex_attention``): the packed query and output ``[1, h, Lp, d]``,
+    the fp32 log-sum-exp and row maximum ``[1, h, Lp]``, the block mask, the merge of
+    the diagonal keys (``_merge_saved``) and, at step 0 only, the packed step-0 keys
+    and values ``[1, g, Lp, d]`` (shared by every step). eager / ring: the dense
+    ``[B, h, C, d]`` queries (trimmed rows are zeros there) and explicit scores."""
+    b, B, C = args.dtype_bytes, args.batch, args.own_rows
     h, g, d = args.heads, args.kv_heads, args.d
     kind = kind or _attention_kind(args)
+    m = B * C if m is None else m
     if kind == "flex":
-        Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
-        P = B * Cp
-        nb = Cp // FLEX_BLOCK
-        lse = P * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
-        return 2 * P * h * d * b + 2 * B * k * Cp * g * d * b + lse + P + 8 + _flex_mask_bytes(B, nb, k)
+        fused = _fused() if fused is None else fused
+        Lp = _packed_len(args)
+        lse = Lp * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
+        keys = 2 * Lp * g * d * b if j == 0 else 0
+        return 2 * Lp * h * d * b + lse + _flex_mask_bytes(Lp) + keys + _merge_saved(args, j, m, fused)
     vec = B * C * h * d * b
     # matmul folds [B, h, C, d] queries laid out as [B, C, h, d] without a copy only
     # when B = 1; the diagonal terms keep the queries themselves from step 1 on
@@ -534,67 +604,88 @@ def _attention_saved(args: PlanArgs, j: int, kind: str | None = None,
     return own + hops * (B * C + B * h * C * C * per_score + 3 * B * h * C * 4 + 5 * vec)
 
 
-def _o_proj_input(args: PlanArgs, rows: float, trimmed: bool) -> float:
-    """What ``o_proj`` keeps: its input rows, unless a view of the flex output."""
-    b, B, C = args.dtype_bytes, args.batch, args.own_rows
-    hd = args.heads * args.d
-    if trimmed:
-        return rows * hd * b  # gathered rows
-    if _attention_kind(args) == "flex" and FLEX_OUTPUT_FOLLOWS_QUERY and C % FLEX_BLOCK == 0:
-        return 0.0  # a view of the flex output
-    return B * C * hd * b
+def _o_proj_input(args: PlanArgs, m: float) -> float:
+    """What ``o_proj`` keeps: its ``[m, h*d]`` input, a new tensor on every path (flex:
+    step 0 copies the output out of the head-major ``[1, h, Lp, d]`` layout, later
+    steps keep the merge's output; eager / ring: the ``[B, h, C, d]`` output
+    flattened, or gathered at the trimmed rows)."""
+    return m * args.heads * args.d * args.dtype_bytes
 
 
-def _layer_saved(args: PlanArgs, rows: float, b: int) -> float:
-    """Norms, q/k/v input, post-attention norm and SwiGLU of ``rows`` rows."""
-    H, I = args.hidden, args.intermediate
-    input_norm = rows * H * b
-    hidden_norm = rows * (H * 4 + 4 + H * b)  # fp32 input, rsqrt, pre-weight output
-    qkv_input = rows * 2 * H * b
-    post_norm = rows * (H * 4 + 4 + 2 * H * b)  # + its output, the MLP's input
-    mlp = rows * 4 * I * b  # gate, silu(gate), up, silu*up
-    return input_norm + hidden_norm + qkv_input + post_norm + mlp
+def _norm_saved(args: PlanArgs, rows: float, fused: bool, input_counted: bool = False,
+                input_grad: bool = True) -> float:
+    """What one RMSNorm of ``rows`` rows keeps (its output, the next GEMM's input, is
+    counted there). Eager (``draft.rms_norm`` unfused): the fp32 input (a copy in bf16,
+    the input itself in fp32), the fp32 rsqrt ``[rows, 1]`` and the pre-weight output;
+    only the pre-weight output when the input needs no gradient (the frozen
+    embedding's rows). Fused (inductor; the tests check this on CPU inductor): the
+    input itself and the rsqrt, the fp32 intermediates stay in registers.
+    ``input_counted``: the input's storage is already counted elsewhere."""
+    H, b = args.hidden, args.dtype_bytes
+    if fused:
+        return rows * 4 + (0.0 if input_counted else rows * H * b)
+    if not input_grad:
+        return rows * H * b
+    fp32_input = 0.0 if (b == 4 and input_counted) else rows * H * 4
+    return fp32_input + rows * 4 + rows * H * b
 
 
-def _backbone_saved(args: PlanArgs, rows: Rows) -> tuple[list[float], list[float]]:
-    """Per step: (everything the backbone keeps, the attention's share)."""
-    b, k, d = args.dtype_bytes, args.ttt_length, args.d
-    H, h, g = args.hidden, args.heads, args.kv_heads
+def _swiglu_saved(args: PlanArgs, rows: float, fused: bool) -> float:
+    """The MLP's ``[rows, I]`` tensors: gate and up (and silu(gate) unfused), and
+    silu(gate)*up, ``down_proj``'s input."""
+    return rows * (3 if fused else 4) * args.intermediate * args.dtype_bytes
+
+
+def _backbone_saved(args: PlanArgs, rows: Rows, fused: bool) -> tuple[list[float], list[float]]:
+    """Per step: (everything the backbone keeps, the attention's share), following
+    ``ttt._unroll`` op by op.
+
+    Step 0, every row: the embedding and hidden norms, the q/k/v input ``u``
+    ``[R, 2H]``, RoPE cos and sin ``[R, 1, d]``; then for its m rows (all of them
+    without backbone trimming; trimmed, ``u``, cos and sin gathered for them) the
+    attention, o_proj's input, the post-attention norm, the MLP input and SwiGLU.
+    Step ``j >= 1``: the same for its m rows (the hidden norm's input is the previous
+    output, or its gathered rows), plus, trimmed, the int64 positions of its rows
+    inside the previous step's (they gather the previous output and diagonal keys)."""
+    b, k, d, H = args.dtype_bytes, args.ttt_length, args.d, args.hidden
+    h, g = args.heads, args.kv_heads
     R = rows.kv_rows
+    trimmed = rows.trim == "backbone"
+    kind = _attention_kind(args)
     saved, attn = [], []
     for j in range(k):
         m = rows.layer_rows[j]
-        a = _attention_saved(args, j)
-        dense_q = m * h * d * b  # trimmed: index_copy into the dense queries keeps its source
-        if rows.trim != "backbone":
-            s = _layer_saved(args, R, b) + 2 * R * d * b + a + _o_proj_input(args, R, False)
-        elif j == 0:
-            # every row: embedding norm, hidden norm, u for k/v; rows[0]: u[r0], q
-            s = (R * H * b + R * (H * 4 + 4 + H * b) + R * 2 * H * b + m * 2 * H * b + m * 8
-                 + 2 * R * d * b + 2 * m * d * b + dense_q + a + _o_proj_input(args, m, True)
-                 + m * (H * 4 + 4 + 2 * H * b) + m * 4 * args.intermediate * b)
-        else:
-            s = (_layer_saved(args, m, b) + m * 8 + 4 * m * d * b + 2 * m * g * d * b
-                 + dense_q + a + _o_proj_input(args, m, True))
+        a = _attention_saved(args, j, m, fused=fused)
+        n = R if j == 0 else m  # rows whose norms and q/k/v input step j computes
+        norms = _norm_saved(args, n, fused, input_grad=False) + _norm_saved(args, n, fused)
+        s = norms + n * 2 * H * b + 2 * n * d * b
+        if trimmed and j == 0:
+            s += m * 2 * H * b + 2 * m * d * b  # u, cos, sin of rows[0]
+        if trimmed and j > 0:
+            s += m * 8  # positions inside the previous step's rows
+        if trimmed and kind != "flex":  # index_copy into the dense tensors keeps its sources:
+            s += m * h * d * b + 2 * j * m * g * d * b  # the queries and the diagonal keys
+        s += (a + _o_proj_input(args, m) + _norm_saved(args, m, fused) + m * H * b
+              + _swiglu_saved(args, m, fused))
         saved.append(s)
         attn.append(a)
     return saved, attn
 
 
-def _head_saved(args: PlanArgs, rows: Rows) -> list[float]:
+def _head_saved(args: PlanArgs, rows: Rows, fused: bool) -> list[float]:
     """Per step: what the head and loss keep for backward."""
     b, H, Vd, k = args.dtype_bytes, args.hidden, args.draft_vocab, args.ttt_length
     out = []
     for j in range(k):
         if rows.trim == "none":
             R = rows.kv_rows
-            # fp32 norm input: a copy in bf16; in fp32 the step's own output, already
-            # kept by the next step's hidden norm (all but the last step)
-            y32 = R * H * 4 if (b != 4 or j == k - 1) else 0.0
-            s = y32 + R * 4 + 2 * R * H * b + R * 8 + R
-            if args.loss_impl == "triton":
-                s += R * Vd * b + 2 * R * 4
-            else:
+            # the norm's input is the step's own output, already kept by the next
+            # step's hidden norm (all but the last step) when that keeps it itself
+            # + lm_head's input and the bool row mask
+            s = _norm_saved(args, R, fused, input_counted=j < k - 1) + R * H * b + R
+            if args.loss_impl == "triton":  # bf16 logits, the table rows, two fp32 [R]
+                s += R * Vd * b + R * 8 + 2 * R * 4
+            else:  # fp32 log-probabilities and gathered teacher rows
                 s += 2 * R * Vd * 4
             out.append(s)
         else:
@@ -622,8 +713,9 @@ def _inputs_bytes(args: PlanArgs, rows: Rows) -> float:
     b, B, T = args.dtype_bytes, args.batch, args.buffer_len
     features = B * T * (8 + 8 + 1 + 1) + B * T * 4 * args.ht * b + args.vocab * args.ht * b
     vocab = args.draft_vocab * 8 + args.vocab
+    # rows, table rows, teacher positions, backbone rows (entry 0: every row), step-0 rows
     rowmap = 8 * (2 * sum(rows.loss_rows) + rows.teacher_positions + rows.kv_rows
-                  + sum(rows.layer_rows[1:]))
+                  + sum(rows.layer_rows))
     return features + vocab + rowmap
 
 
@@ -638,8 +730,9 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     optimizer_state = trainable * 12 / args.world if args.optimizer else 0
     inputs = _inputs_bytes(args, rows)
     table, teacher_extra = _teacher_bytes(args, rows.teacher_positions)
-    saved, attn = _backbone_saved(args, rows)
-    head = _head_saved(args, rows)
+    fused = _fused()
+    saved, attn = _backbone_saved(args, rows, fused)
+    head = _head_saved(args, rows, fused)
     saved_total = sum(saved) + sum(head)
     R, m_rows, n_rows = rows.kv_rows, rows.layer_rows, rows.loss_rows
     trimmed_head = rows.trim != "none"
@@ -654,23 +747,31 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     layer_numel = 2 * H * (h + 2 * g) * d + h * d * H + 3 * H * I + 3 * H
     phases: dict[str, float] = {"teacher": resident + table + teacher_extra}
 
-    # Forward. In the last backbone step the earlier outputs, every step's keys and the
-    # RoPE temporaries of the queries are live beside the saved tensors; in the heads,
-    # all k outputs and one chunk of logits. (In fp32 the full path's outputs are what
-    # the next hidden norm keeps.)
+    # Forward. In the last backbone step the earlier outputs, the step-0 keys, each
+    # step's own keys and the RoPE temporaries of the queries are live beside the
+    # saved tensors; in the heads, all k outputs and one chunk of logits. (Without
+    # backbone trimming, when a norm keeps its input itself (fused, or eager in fp32)
+    # the outputs are already saved: by the next step's hidden norm, and the last one
+    # by its head's norm under trim="none".)
     outs = [m * H * b for m in m_rows]
-    if b == 4 and rows.trim != "backbone":
-        outs = [0.0] * (k - 1) + [outs[-1]]
-    keys = k * 2 * B * C * g * d * b
-    # the query projection, x*cos, rotate_half(x)*sin and their sum (trimmed: or the
-    # dense zero-filled queries handed to the attention)
-    if rows.trim == "backbone":
-        rope = max(4 * m_rows[-1] * h * d * b, R * h * d * b)
-    else:
-        rope = 4 * R * h * d * b
+    if (fused or b == 4) and rows.trim != "backbone":
+        outs = [0.0] * (k - 1) + [0.0 if rows.trim == "none" else outs[-1]]
+    kind = _attention_kind(args)
+    # k0 is held by the unroll (and v0 by the eager / ring closure), and the last
+    # step's stacked own keys and values [k-1, m, g, d] unless a saved tensor holds them
+    # (the fused or fp32 merge; index_copy on the trimmed eager / ring path)
+    stack_saved = (fused or b == 4) if kind == "flex" else rows.trim == "backbone"
+    keys = ((1 if kind == "flex" else 2) * R * g * d * b
+            + (0 if stack_saved else 2 * (k - 1) * m_rows[-1] * g * d * b))
+    # the query projection and the RoPE result (eager: also x*cos, rotate_half(x)*sin;
+    # trimmed eager / ring: or the dense zero-filled queries handed to the attention)
+    rope = (2 if fused else 4) * m_rows[-1] * h * d * b
+    if rows.trim == "backbone" and kind != "flex":
+        rope = max(rope, R * h * d * b)
     phases["forward_backbone"] = resident + table + sum(saved) + sum(outs[:-1]) + keys + rope
     c = min(args.head_chunk_rows, max(n_rows)) if trimmed_head else 0
-    head_fwd = c * (Vd * b + 2 * H * 4 + 2 * H * b)
+    norm_tmp = 0 if fused else 2 * H * 4  # the eager norm's fp32 temporaries
+    head_fwd = c * (Vd * b + norm_tmp + 2 * H * b)
     phases["forward_head"] = resident + table + saved_total + sum(outs) + head_fwd
 
     # Head backward, heads in the order k-1 .. 0 (recorded last, run first). The table
@@ -687,7 +788,10 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
         if trimmed_head:
             n = n_rows[j]
             cj = min(args.head_chunk_rows, n)
-            transient = (Vd * H * new_grad + cj * (2 * Vd * b + H * (4 + 3 * b))
+            # the chunk's recomputed logits and their gradient, the recomputed norm
+            # (eager: fp32 input, pre-weight and output; fused: output) and its gradient
+            norm_bwd = 2 * H * b if fused else H * (4 + 3 * b)
+            transient = (Vd * H * new_grad + cj * (2 * Vd * b + norm_bwd)
                          + (2 * n * H * b if n > cj else 0))
         else:  # the logits gradient while the logits are held, then lm_head's
             transient = max(R * Vd * b, Vd * H * new_grad + R * H * b) if q else R * Vd * b
@@ -698,11 +802,9 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     # Backbone backward of step j: steps <= j still hold their saved tensors and output
     # gradients; step j runs the SwiGLU backward (two [m, I] gradients beyond the
     # freed one) and later the attention backward (by then the SwiGLU tensors are freed).
-    Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
-    kind = _attention_kind(args)
     if kind == "flex":
-        attention_transient = FLEX_BACKWARD_WORKSPACE * (2 * B * Cp * h * d * b
-                                                         + 2 * B * k * Cp * g * d * b)
+        Lp = _packed_len(args)
+        attention_transient = FLEX_BACKWARD_WORKSPACE * (2 * Lp * h * d * b + 2 * Lp * g * d * b)
     else:  # score gradients in fp32 beside the saved scores
         attention_transient = 2 * B * h * C * C * (args.sp if kind == "ring" else 1) * 4
     for j in range(k - 1, -1, -1):
@@ -710,7 +812,7 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
         held = resident + lm_grad + sum(saved[: j + 1]) + sum(d_out[: j + 1])
         grads = H * I * grad_bytes if j == k - 1 else layer_numel * grad_bytes + H * I * new_grad
         mlp_bwd = 2 * m * I * b
-        attn_bwd = attention_transient - 4 * m * I * b
+        attn_bwd = attention_transient - _swiglu_saved(args, m, fused)
         phases[f"backward_{j}"] = held + grads + max(mlp_bwd, attn_bwd)
 
     peak_phase = max(phases, key=phases.get)
@@ -796,7 +898,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"S={a.seq_len} B={a.batch} sp={a.sp} {a.density:.0%} {a.pattern}, trim={r.trim}"
         + (" (auto)" if a.trim == "auto" else "") + (", optimizer" if a.optimizer else "")
-        + f", rank {r.rank}",
+        + ("" if _fused() else ", eager elementwise") + f", rank {r.rank}",
         f"rows per step (loss)  {[round(x) for x in r.loss_rows]}",
         f"rows per step (layer) {[round(x) for x in r.layer_rows]}",
         f"{'component':<28}{'GiB':>8}",
@@ -826,4 +928,4 @@ def plan(args: PlanArgs) -> None:
 
 __all__ = ["Flops", "Memory", "Plan", "PlanArgs", "Rows", "estimate", "format_plan", "plan",
            "plan_rows", "synthetic_mask", "ALLOCATOR_OVERHEAD_BYTES", "FLEX_BACKWARD_WORKSPACE",
-           "FLEX_OUTPUT_FOLLOWS_QUERY", "FLEX_SAVES_MAX_SCORES", "ROWMAP_MAX_POSITIONS"]
+           "FLEX_SAVES_MAX_SCORES", "ROWMAP_MAX_POSITIONS"]

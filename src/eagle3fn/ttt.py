@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3fn.align import shift_left
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, head_logits, rope_cos_sin
+from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, fused_on_cuda, head_logits, rope_cos_sin
 from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
@@ -62,8 +62,10 @@ class TTTConfig:
     near 80%; above it the full path is faster than both trimmed ones."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
-    compiled FlexAttention over ``[step-0 keys ; diagonal keys]`` with a block-sparse
-    EAGLE-3 mask (the GPU path; no backward on CPU). ``auto``: flex on CUDA, else eager."""
+    compiled FlexAttention of the packed query rows over the step-0 keys with a
+    block-sparse causal mask, the diagonal keys merged by log-sum-exp
+    (``packed_flex_attention``; the GPU path, no backward on CPU). ``auto``: flex on
+    CUDA, else eager."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Step weights, normalisation and objective kind."""
     loss_impl: LossImpl = "auto"
@@ -156,96 +158,224 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def eagle_block_mask(lengths_B: torch.Tensor, padded_rows: int, ttt_length: int, step: int,
-                     mask_mod, active_Bn: torch.Tensor | None = None):
-    """The EAGLE-3 TTT mask of step ``j = step`` as a hand-built FlexAttention BlockMask.
+def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-0 keys/values ``[B*C, g, d]`` (flat rows) as FlexAttention inputs
+    ``[1, g, Lp, d]``, ``Lp`` = ``B*C`` rounded up to FLEX_BLOCK (zeros past it, never
+    read). Built once per batch and shared by every step."""
+    BC = k_Ngd.shape[0]
+    Lp = max(-(-BC // FLEX_BLOCK), 1) * FLEX_BLOCK
+    prep = lambda x: F.pad(x, (0, 0, 0, 0, 0, Lp - BC)).transpose(0, 1)[None].contiguous()  # noqa: E731
+    return prep(k_Ngd), prep(v_Ngd)
 
-    Keys are k segments of ``padded_rows`` (a multiple of FLEX_BLOCK): segment 0 holds
-    the step-0 keys, segment i the diagonal keys of step i (segments past j are
-    never listed, so every step has the same key length and one compiled kernel).
-    Per query block m: full blocks = segment-0 blocks below the diagonal whose keys are
-    all real; partial blocks (``mask_mod`` applies) = the segment-0 block holding the
-    diagonal or the end of the sequence, then block m of segments 1..j. No dense
-    mask is ever evaluated. ``active_Bn`` (bool ``[B, n]``): query blocks holding a
-    row that is needed; the others list no key block and are skipped.
-    """
+
+def packed_block_mask(start_L: torch.Tensor, last_L: torch.Tensor, num_queries: int, mask_mod):
+    """FlexAttention BlockMask for ``Lp`` packed queries over ``Lp`` flat keys: query
+    ``i`` may see keys ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query
+    block: full blocks = key blocks inside every query's window, partial blocks (the
+    ``mask_mod`` applies) = the rest of the union of the windows; blocks holding only
+    padding queries (``i >= num_queries``) list nothing and are skipped."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    n = padded_rows // FLEX_BLOCK
-    dev = lengths_B.device
-    m = torch.arange(n, device=dev)[None, :]  # [1, n] query blocks
-    L = lengths_B[:, None]
-    full = torch.minimum(m, L // FLEX_BLOCK)  # [B, n]
-    last_real = (L + FLEX_BLOCK - 1) // FLEX_BLOCK - 1
-    has_edge = full <= torch.minimum(m, last_real)  # one partial segment-0 block?
-    diag = m[..., None] + n * torch.arange(1, step + 1, device=dev)  # [1, n, j]
-    diag = diag.expand(L.shape[0], n, step)
-    edge = torch.cat([full[..., None], diag], dim=-1)  # edge block first
-    partial = torch.where(has_edge[..., None], edge, F.pad(diag, (0, 1)))
-    partial = F.pad(partial, (0, n * ttt_length - partial.shape[-1]))  # rows span all blocks
-    full_idx = torch.arange(n * ttt_length, device=dev).expand(L.shape[0], n, -1)
-    as_i32 = lambda x: x[:, None].to(torch.int32).contiguous()  # noqa: E731 - [B, 1, ...]
-    num_partial = has_edge.int() + step
-    if active_Bn is not None:
-        num_partial, full = num_partial * active_Bn, full * active_Bn
+    Lp = start_L.shape[0]
+    M = Lp // FLEX_BLOCK
+    m = torch.arange(M, device=start_L.device)
+    first = (m * FLEX_BLOCK).clamp(max=max(num_queries - 1, 0))
+    final = (m * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=max(num_queries - 1, 0))
+    active = (m * FLEX_BLOCK < num_queries).int()
+    lo = start_L[first] // FLEX_BLOCK
+    hi = torch.maximum(last_L[final] // FLEX_BLOCK, lo)
+    full_lo = (start_L[final] + FLEX_BLOCK - 1) // FLEX_BLOCK
+    full_hi = (last_L[first] + 1) // FLEX_BLOCK - 1
+    num_full = (full_hi - full_lo + 1).clamp(min=0) * active
+    has_full = num_full > 0
+    below = torch.where(has_full, full_lo - lo, 0)  # partial blocks before the full run
+    above_start = torch.where(has_full, full_hi + 1, lo)
+    num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1) * active
+    i = torch.arange(M, device=start_L.device)[None]
+    partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
+    as_i32 = lambda x: x.clamp(0, M - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
     return BlockMask.from_kv_blocks(
-        as_i32(num_partial), as_i32(partial), as_i32(full), as_i32(full_idx),
-        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(padded_rows, padded_rows * ttt_length),
+        num_partial.to(torch.int32)[None, None], as_i32(partial),
+        num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i),
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(Lp, Lp),
     )
 
 
-def flex_attention_step(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
-                        valid_BC: torch.Tensor, ttt_length: int | None = None,
-                        active_BC: torch.Tensor | None = None) -> torch.Tensor:
-    """``eager_attention`` computed by FlexAttention (same arguments and result).
+@fused_on_cuda
+def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor,
+                   k_jNgd: torch.Tensor, v_jNgd: torch.Tensor, scale: float) -> torch.Tensor:
+    """Add the diagonal keys of steps ``1..j`` to causal attention outputs: ``o`` and
+    ``lse`` (natural log-sum-exp of the scaled scores) over the step-0 keys, merged
+    with each row's own keys ``k_jNgd, v_jNgd`` by log-sum-exp (fp32 math, output in
+    ``q``'s dtype; GQA by broadcasting, nothing is repeated). ``[N, h, d]``."""
+    N, h, d = q_NhD.shape
+    g = k_jNgd.shape[2]
+    math_dtype = torch.promote_types(q_NhD.dtype, torch.float32)
+    q = q_NhD.to(math_dtype).view(N, g, h // g, d)
+    k = k_jNgd.to(math_dtype)[:, :, :, None]  # [j, N, g, 1, d]
+    s = (q[None] * k).sum(-1) * scale  # [j, N, g, rep]
+    lse = lse_Nh.to(math_dtype).view(N, g, h // g)
+    top = torch.maximum(lse, s.amax(0))
+    w0, w = torch.exp(lse - top), torch.exp(s - top)
+    out = w0[..., None] * o_NhD.to(math_dtype).view(N, g, h // g, d)
+    out = out + (w[..., None] * v_jNgd.to(math_dtype)[:, :, :, None]).sum(0)
+    return (out / (w0 + w.sum(0))[..., None]).view(N, h, d).to(q_NhD.dtype)
 
-    Keys are laid out as ``ttt_length`` segments padded to a multiple of the block
-    size (unused segments are zeros and never read), so the key length is the same
-    at every step and one compiled kernel serves the whole unroll; the block mask
-    (``eagle_block_mask``) lists only the causal and diagonal blocks. Compiled on
-    CUDA; uncompiled (forward only) elsewhere. Right padding assumed: ``valid_BC``
-    is a prefix of ones per row. ``active_BC`` (bool ``[B, C]``): the query rows whose
-    output is used; query blocks without one are skipped (their output is zero).
+
+def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
+                          diagonal: tuple[torch.Tensor, torch.Tensor] | None, lengths_B: torch.Tensor,
+                          num_rows: int) -> torch.Tensor:
+    """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
+    (the one-rank GPU path of every trim mode).
+
+    The N queries are packed at the front of one ``Lp``-long query sequence, so
+    FlexAttention visits only ``ceil(N / FLEX_BLOCK)`` query blocks whether the rows are
+    contiguous or scattered, and the shapes (hence the compiled kernel) depend only on
+    ``B*C``. Query ``i`` (row ``b*C + p``) sees the flat step-0 keys ``b*C .. b*C + p``
+    (capped at the sample's last real row); the diagonal keys are merged afterwards by
+    log-sum-exp (``merge_diagonal``), so no key is ever copied per step.
+
+    Args:
+        q_NhD: ``[N, h, d]`` queries (RoPE applied) of ``rows_N`` (sorted flat rows).
+        keys: ``packed_keys`` of the step-0 keys/values.
+        diagonal: ``(k, v)``, each ``[j, N, g, d]``: every row's own keys of steps
+            ``1..j``, aligned with ``rows_N`` (None at step 0).
+        lengths_B: int ``[B]`` real rows per sample (right padding).
+        num_rows: C.
+
+    Returns:
+        ``[N, h, d]`` in ``q``'s dtype.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, h, C, d = q.shape
-    k_total = ttt_length or len(keys)
-    Cp = -(-C // FLEX_BLOCK) * FLEX_BLOCK
-    pad = lambda x: F.pad(x, (0, 0, 0, Cp - C))  # noqa: E731
-    zeros = torch.zeros_like(pad(keys[0][0]))
-    k = torch.cat([pad(k) for k, _ in keys] + [zeros] * (k_total - len(keys)), dim=2)
-    v = torch.cat([pad(v) for _, v in keys] + [zeros] * (k_total - len(keys)), dim=2)
-    valid = F.pad(valid_BC, (0, Cp - C))
-    # A tensor, not an int: the compiled kernel must not specialise on the step.
-    # (torch.full: a fill kernel; torch.tensor would copy from the host and sync.)
-    step = torch.full((), len(keys) - 1, device=q.device)
+    N, h, d = q_NhD.shape
+    K, V = keys
+    Lp = K.shape[2]
+    if N == 0:
+        return q_NhD.new_zeros(N, h, d)
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(Lp - N)])  # padding queries copy the last
+    sample = qflat // num_rows
+    start = sample * num_rows
+    last = torch.minimum(qflat, start + lengths_B[sample] - 1)
 
     def mask_mod(b, head, q_idx, kv_idx):
-        segment, offset = kv_idx // Cp, kv_idx % Cp
-        causal = (segment == 0) & (offset <= q_idx) & valid[b, offset]
-        return causal | ((segment > 0) & (segment <= step) & (offset == q_idx))
+        return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
 
-    active = None
-    if active_BC is not None:
-        active = F.pad(active_BC, (0, Cp - C)).view(B, Cp // FLEX_BLOCK, FLEX_BLOCK).any(-1)
-    block_mask = eagle_block_mask(valid_BC.sum(1), Cp, k_total, len(keys) - 1, mask_mod, active)
-    attend = _compiled_flex() if q.is_cuda else flex_attention
-    out = attend(pad(q), k, v, block_mask=block_mask, scale=1.0 / math.sqrt(d),
-                 enable_gqa=h != keys[0][0].shape[1])
-    return out[:, :, :C]
+    block_mask = packed_block_mask(start, last, N, mask_mod)
+    Q = F.pad(q_NhD, (0, 0, 0, 0, 0, Lp - N)).transpose(0, 1)[None].contiguous()
+    attend = _compiled_flex() if q_NhD.is_cuda else flex_attention
+    scale = 1.0 / math.sqrt(d)
+    out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
+                      return_lse=True)
+    o = out[0, :, :N].transpose(0, 1)
+    if diagonal is None:
+        return o
+    return merge_diagonal(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)
 
 
-def _attention_fn(attention: AttentionImpl, attend, features: Features, ttt_length: int):
-    """``(attend, is_flex)``: a given ``attend`` (``Collectives.attend``) as is, else the
-    one-rank path ``attention`` names (``auto``: flex on CUDA, eager elsewhere)."""
-    if attend is not None:
-        return attend, False
-    if attention == "auto":
-        attention = "flex" if features.aux.is_cuda else "eager"
-    if attention == "flex":
-        return functools.partial(flex_attention_step, ttt_length=ttt_length), True
-    return eager_attention, False
+def _row_attention(attention: AttentionImpl, attend, features: Features, valid_BC: torch.Tensor,
+                   k0: torch.Tensor, v0: torch.Tensor):
+    """``run(q [N, h, d], rows_N | None, diagonal) -> [N, h, d]``: one step's attention
+    for the queries of some flat rows (``None``: every row, in order) over the step-0
+    keys ``k0, v0`` ``[B*C, g, d]`` and each row's own keys of steps ``1..j``
+    (``diagonal = (k, v)``, each ``[j, N, g, d]`` aligned with the rows; None at j = 0).
+
+    The one-rank FlexAttention path (``attention="flex"``, or ``auto`` on CUDA) packs
+    the queries (``packed_flex_attention``). Otherwise the queries are placed in zero
+    ``[B, h, C, d]`` tensors for ``attend`` (``Collectives.attend`` under sequence
+    parallelism, else ``eager_attention``), whose other rows' outputs are dropped."""
+    B, C = valid_BC.shape
+    if attend is None:
+        if attention == "auto":
+            attention = "flex" if features.aux.is_cuda else "eager"
+        if attention == "flex":
+            keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
+            every = torch.arange(B * C, device=k0.device)
+            return lambda q, rows, diagonal: packed_flex_attention(  # noqa: E731
+                q, every if rows is None else rows, keys, diagonal, lengths, C)
+        attend = eager_attention
+    as_B = lambda x: x.view(B, C, *x.shape[1:]).transpose(1, 2)  # noqa: E731 - [B, n, C, d]
+
+    def dense(x, rows):
+        return as_B(x if rows is None else x.new_zeros(B * C, *x.shape[1:]).index_copy(0, rows, x))
+
+    def run(q, rows, diagonal):
+        own = [] if diagonal is None else zip(*diagonal)
+        keys = [(as_B(k0), as_B(v0))] + [(dense(k, rows), dense(v, rows)) for k, v in own]
+        out = attend(dense(q, rows), keys, valid_BC).transpose(1, 2).flatten(0, 1)
+        return out if rows is None else out[rows]
+    return run
+
+
+def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
+            rows: Sequence[torch.Tensor] | None, attention: AttentionImpl, attend) -> list[torch.Tensor]:
+    """The k unrolled steps on the rows ``rows[j]`` of each step (``None``: every row).
+
+    Step 0 computes keys and values for every own row (everyone's context) and the
+    query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
+    layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
+    and to their own keys of steps ``1..j``. Each ``rows[j]`` must be inside
+    ``rows[j-1]`` (``computed_rows``). Returns k tensors ``[n_j, H]`` (``[B*C, H]``)."""
+    cfg, layer = draft.cfg, draft.midlayer
+    attn = layer.self_attn
+    C = num_rows
+    B = features.input_ids.shape[0]
+    ids_next = shift_left(features.input_ids)  # ids'[t] = x_{t+1}
+    positions = features.positions
+    if positions is None:
+        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
+    pos_flat = positions[:, :C].reshape(-1)
+    valid = features.attention_mask[:, :C].bool()
+    g_all = draft.project(features.aux[:, :C]).flatten(0, 1)  # [B*C, H]
+    heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
+
+    def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
+        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype)
+        return cos[:, None], sin[:, None]
+
+    def take(x, idx):  # rows idx of x (None: all)
+        return x if idx is None else x[idx]
+
+    def within(outer, inner):  # positions of the sorted rows inner inside sorted outer
+        if inner is None:
+            return None
+        # Clamped so a hand-made row map whose rows are not nested reads wrong rows
+        # (which the negative-control tests catch) instead of out of range.
+        return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
+
+    def layer_rest(q, g, rows, diagonal):  # attention, o_proj and MLP of rows
+        a = attend_rows(q, rows, diagonal)
+        r = g + attn.o_proj(a.reshape(a.shape[0], cfg.num_heads * cfg.d))
+        return r + layer.mlp(layer.post_attention_layernorm(r))
+
+    emb = draft.embed_tokens(ids_next[:, :C]).flatten(0, 1).to(g_all.dtype)
+    u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_all)), dim=-1)
+    cos, sin = rope_at(pos_flat)
+    k0 = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
+    attend_rows = _row_attention(attention, attend, features, valid, k0,
+                                 heads(attn.v_proj(u), cfg.num_kv_heads))
+    prev = None if rows is None else rows[0]
+    q = apply_rope(heads(attn.q_proj(take(u, prev)), cfg.num_heads), take(cos, prev), take(sin, prev))
+    out = layer_rest(q, take(g_all, prev), prev, None)
+    outs, diagonal = [out], None  # the rows' own keys/values of steps 1..j, [j, N, g, d]
+    for j in range(1, ttt_length):
+        rj = None if rows is None else rows[j]
+        at = within(prev, rj)
+        g = take(out, at)
+        ids_j = take(shift_left(ids_next, j)[:, :C].reshape(-1), rj)
+        u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
+                       layer.hidden_norm(g)), dim=-1)
+        cos, sin = rope_at(take(pos_flat, rj) + j)
+        q = apply_rope(heads(attn.q_proj(u), cfg.num_heads), cos, sin)
+        k = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
+        v = heads(attn.v_proj(u), cfg.num_kv_heads)
+        diagonal = (k[None], v[None]) if diagonal is None else tuple(
+            torch.cat((x if at is None else x[:, at], y[None]))
+            for x, y in zip(diagonal, (k, v)))
+        out = layer_rest(q, g, rj, diagonal)
+        outs.append(out)
+        prev = rj
+    return outs
 
 
 def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
@@ -255,35 +385,9 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
     Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
     (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
     """
-    attend, _ = _attention_fn(attention, attend, features, ttt_length)
-    cfg, layer = draft.cfg, draft.midlayer
-    attn = layer.self_attn
-    C = num_rows
     B = features.input_ids.shape[0]
-    ids_next = shift_left(features.input_ids)  # ids'[t] = x_{t+1}
-    positions = features.positions
-    if positions is None:
-        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
-    positions = positions[:, :C]
-    valid = features.attention_mask[:, :C].bool()
-    g = draft.project(features.aux[:, :C])
-    keys, outs = [], []
-    for j in range(ttt_length):
-        emb = draft.embed_tokens(shift_left(ids_next, j)[:, :C]).to(g.dtype)
-        u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g)), dim=-1)
-        heads = lambda proj, n: proj(u).view(B, C, n, cfg.d).transpose(1, 2)  # noqa: E731
-        q = heads(attn.q_proj, cfg.num_heads)
-        k = heads(attn.k_proj, cfg.num_kv_heads)
-        v = heads(attn.v_proj, cfg.num_kv_heads)
-        cos, sin = rope_cos_sin(positions + j, cfg.rope, cfg.d, q.dtype)
-        cos, sin = cos[:, None], sin[:, None]
-        keys.append((apply_rope(k, cos, sin), v))
-        a = attend(apply_rope(q, cos, sin), keys, valid)
-        r = g + attn.o_proj(a.transpose(1, 2).reshape(B, C, cfg.num_heads * cfg.d))
-        out = r + layer.mlp(layer.post_attention_layernorm(r))
-        outs.append(out)
-        g = out
-    return outs
+    outs = _unroll(draft, features, num_rows, ttt_length, None, attention, attend)
+    return [out.view(B, num_rows, -1) for out in outs]
 
 
 def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
@@ -308,24 +412,6 @@ def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
     return "backbone" if computed <= config.auto_backbone_fraction * total else "none"
 
 
-def _attend_rows(attend, q_NhD: torch.Tensor, keys: list, valid_BC: torch.Tensor,
-                 rows_N: torch.Tensor, skip_blocks: bool = False) -> torch.Tensor:
-    """``attend`` for the queries of flat rows ``rows_N`` only: they are placed in a
-    zero ``[B, h, C, d]`` query (other rows' outputs are dropped), so every attention
-    path (eager, flex, sequence-parallel) serves the trimmed backbone unchanged.
-    ``skip_blocks``: tell the flex path which rows are used, so query blocks without
-    one are skipped (a contiguous run of rows costs only its own blocks)."""
-    B, C = valid_BC.shape
-    N, h, d = q_NhD.shape
-    dense = q_NhD.new_zeros(B * C, h, d).index_copy(0, rows_N, q_NhD)
-    kwargs = {}
-    if skip_blocks:
-        active = torch.zeros(B * C, dtype=torch.bool, device=rows_N.device)
-        kwargs["active_BC"] = active.index_fill(0, rows_N, True).view(B, C)
-    out = attend(dense.view(B, C, h, d).transpose(1, 2), keys, valid_BC, **kwargs)
-    return out.transpose(1, 2).reshape(B * C, h * d)[rows_N]
-
-
 def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
                      rows: Sequence[torch.Tensor], attention: AttentionImpl = "eager",
                      attend=None) -> list[torch.Tensor]:
@@ -334,61 +420,12 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     Step 0 computes keys and values for every own row (everyone's context) and the
     query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
     layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
-    and to their own diagonal keys of steps ``1..j`` (held in ``[B, g, C, d]`` with
-    zeros elsewhere, never read by another row).
+    and to their own diagonal keys of steps ``1..j``.
 
     Returns:
         k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
     """
-    attend, skip_blocks = _attention_fn(attention, attend, features, ttt_length)
-    cfg, layer = draft.cfg, draft.midlayer
-    attn = layer.self_attn
-    C = num_rows
-    B = features.input_ids.shape[0]
-    ids_next = shift_left(features.input_ids)
-    positions = features.positions
-    if positions is None:
-        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
-    pos_flat = positions[:, :C].reshape(-1)
-    valid = features.attention_mask[:, :C].bool()
-    g_all = draft.project(features.aux[:, :C]).flatten(0, 1)  # [B*C, H]
-    heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
-    as_BgCd = lambda x: x.view(B, C, -1, cfg.d).transpose(1, 2)  # noqa: E731
-
-    def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
-        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype)
-        return cos[:, None], sin[:, None]
-
-    # Step 0: keys/values of every row; the rest only for rows[0].
-    emb = draft.embed_tokens(ids_next[:, :C]).flatten(0, 1).to(g_all.dtype)
-    u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_all)), dim=-1)
-    cos, sin = rope_at(pos_flat)
-    k0 = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
-    keys = [(as_BgCd(k0), as_BgCd(heads(attn.v_proj(u), cfg.num_kv_heads)))]
-    r0 = rows[0]
-    q = apply_rope(heads(attn.q_proj(u[r0]), cfg.num_heads), cos[r0], sin[r0])
-    r = g_all[r0] + attn.o_proj(_attend_rows(attend, q, keys, valid, r0, skip_blocks))
-    out = r + layer.mlp(layer.post_attention_layernorm(r))
-    outs, prev_rows = [out], r0
-    for j in range(1, ttt_length):
-        rj = rows[j]
-        # Clamped so a hand-made row map whose rows are not nested reads wrong rows
-        # (which the negative-control tests catch) instead of out of range.
-        g = out[torch.searchsorted(prev_rows, rj).clamp_max(max(prev_rows.numel() - 1, 0))]
-        ids_j = shift_left(ids_next, j)[:, :C].reshape(-1)[rj]
-        u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
-                       layer.hidden_norm(g)), dim=-1)
-        cos, sin = rope_at(pos_flat[rj] + j)
-        q = apply_rope(heads(attn.q_proj(u), cfg.num_heads), cos, sin)
-        kv = [apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin),
-              heads(attn.v_proj(u), cfg.num_kv_heads)]
-        dense = [x.new_zeros(B * C, cfg.num_kv_heads, cfg.d).index_copy(0, rj, x) for x in kv]
-        keys.append((as_BgCd(dense[0]), as_BgCd(dense[1])))
-        r = g + attn.o_proj(_attend_rows(attend, q, keys, valid, rj, skip_blocks))
-        out = r + layer.mlp(layer.post_attention_layernorm(r))
-        outs.append(out)
-        prev_rows = rj
-    return outs
+    return _unroll(draft, features, num_rows, ttt_length, rows, attention, attend)
 
 
 class _Unrolled(torch.nn.Module):
