@@ -387,9 +387,23 @@ def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
     assert not torch.allclose(shifted, want, atol=1e-3)
 
 
+def test_packed_query_len_buckets():
+    """At least the rows, whole flex blocks, at most the key length, and less than one
+    bucket (key length / QUERY_BUCKETS, in blocks) of padding: few distinct shapes."""
+    from eagle3fn.ttt import FLEX_BLOCK, QUERY_BUCKETS, packed_query_len
+
+    for Lp in (128, 1024, 8192, 8320, 262144):
+        unit = -(-Lp // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK
+        lens = {packed_query_len(n, Lp) for n in range(0, Lp + 1, 37)}
+        assert len(lens) <= QUERY_BUCKETS
+        for n in range(0, Lp + 1, 37):
+            q = packed_query_len(n, Lp)
+            assert q % FLEX_BLOCK == 0 and max(n, 1) <= q <= Lp and q - max(n, 1) < unit, (Lp, n, q)
+
+
 @pytest.mark.parametrize("pattern", ["all", "tail", "scattered"])
 @pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
-                                       (700, (700,))])
+                                       (700, (700,)), (2000, (2000,))])
 def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     """The block lists the compiled kernel reads (the CPU path never does) are, on every
     query block holding a real query, create_block_mask's derivation from the dense
@@ -398,11 +412,11 @@ def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     queries list nothing. Negative control: windows one block too long give other lists."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eagle3fn.ttt import FLEX_BLOCK, packed_block_mask
+    from eagle3fn.ttt import FLEX_BLOCK, packed_block_mask, packed_query_len
 
     def windows(rows):
         Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
-        qflat = torch.cat([rows, rows[-1:].expand(Lp - rows.numel())])
+        qflat = torch.cat([rows, rows[-1:].expand(packed_query_len(rows.numel(), Lp) - rows.numel())])
         start = qflat // C * C
         return start, torch.minimum(qflat, start + torch.tensor(lengths)[qflat // C] - 1), Lp
 
@@ -417,8 +431,8 @@ def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     rows = _rows_of(pattern, lengths, C)
     start, last, Lp = windows(rows)
     mask_mod = lambda b, h, q, kv: (kv >= start[q]) & (kv <= last[q])  # noqa: E731
-    ours = packed_block_mask(start, last, rows.numel(), mask_mod)
-    dense = create_block_mask(mask_mod, 1, None, Lp, Lp, device="cpu")
+    ours = packed_block_mask(start, last, rows.numel(), Lp, mask_mod)
+    dense = create_block_mask(mask_mod, 1, None, start.numel(), Lp, device="cpu")
     active = range(-(-rows.numel() // FLEX_BLOCK))
     (partial, full), (want_partial, want_full) = lists(ours, active), lists(dense, active)
     assert full == want_full
@@ -430,5 +444,5 @@ def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     assert not ours.kv_num_blocks[0, 0, len(active):].any()
     assert not ours.full_kv_num_blocks[0, 0, len(active):].any()
     # Windows one block too long (and blind to sample starts) list other blocks.
-    wrong = packed_block_mask(start * 0, last + FLEX_BLOCK, rows.numel(), mask_mod)
+    wrong = packed_block_mask(start * 0, last + FLEX_BLOCK, rows.numel(), Lp, mask_mod)
     assert lists(wrong, active)[1] != want_full

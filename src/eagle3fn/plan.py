@@ -11,7 +11,8 @@ computed rows under ``trim="backbone"``), U teacher positions.
 The memory model is the list of tensors ``ttt.ttt`` keeps for backward, op by op
 (each linear its input; each RMSNorm, fused, its input and rsqrt, or, eager, its fp32
 input, rsqrt and pre-weight output; SwiGLU three ``[m_j, I]`` fused, four eager; the
-packed FlexAttention its query and output ``[1, h, Lp, d]``, log-sum-exp and block
+packed FlexAttention its query and output ``[1, h, Qp, d]`` (Qp = the step's query
+rows rounded up to a bucket, ``ttt.packed_query_len``), log-sum-exp and block
 mask, and once per batch the step-0 keys and values ``[1, g, Lp, d]``; the diagonal
 merge its query and the stacked own keys and values ``[j, m_j, g, d]``, fused, or fp32
 copies, eager; the fused head only its input rows; the unfused head its logits),
@@ -66,12 +67,12 @@ parameters + features before a step, at 8192 and at 16384 tokens."""
 
 FLEX_BACKWARD_WORKSPACE = 1.0
 """FlexAttention backward working memory, as a multiple of ``dq``, the output
-gradient's copy (``[1, h, Lp, d]`` each) and ``dk + dv`` (two ``[1, g, Lp, d]``). Not
+gradient's copy (``[1, h, Qp, d]`` each) and ``dk + dv`` (two ``[1, g, Lp, d]``). Not
 yet calibrated: on the H200 at 8192-16384 tokens the step peaked in the forward or
 in the heads' backward, never inside an attention backward."""
 
 FLEX_SAVES_MAX_SCORES = True
-"""FlexAttention keeps an fp32 ``[1, h, Lp]`` row maximum beside its log-sum-exp
+"""FlexAttention keeps an fp32 ``[1, h, Qp]`` row maximum beside its log-sum-exp
 (torch's eager autograd op does, as the CPU tests measure; whether the compiled
 graph keeps it is not measured: 1 MiB per step at 8B shapes and 8192 tokens)."""
 
@@ -377,10 +378,12 @@ def _mask_blocks(rows_N: torch.Tensor, B: int, C: int, real: int) -> float:
     N = rows_N.numel()
     if N == 0:
         return 0.0
+    from eagle3fn.ttt import packed_query_len
+
     Lp = max(-(-B * C // FLEX_BLOCK), 1) * FLEX_BLOCK
-    qflat = torch.cat([rows_N, rows_N[-1:].expand(Lp - N)])
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(packed_query_len(N, Lp) - N)])
     start = qflat // C * C
-    mask = packed_block_mask(start, torch.minimum(qflat, start + real - 1), N, None)
+    mask = packed_block_mask(start, torch.minimum(qflat, start + real - 1), N, Lp, None)
     return float(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
 
 
@@ -538,17 +541,25 @@ def _packed_len(args: PlanArgs) -> int:
     return max(-(-args.batch * args.own_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
 
 
-def _flex_mask_bytes(Lp: int) -> int:
-    """One step's ``packed_block_mask``: int32 kv and q tables, partial and full
-    (``[M]`` counts and ``[M, M]`` indices each, M = Lp/128), and the int64 query
-    windows (start, last ``[Lp]``) its ``mask_mod`` captures."""
-    M = Lp // FLEX_BLOCK
-    return 4 * 4 * (M + M * M) + 2 * Lp * 8
+def _query_len(args: PlanArgs, m: float) -> int:
+    """Qp, the packed query length of ``m`` query rows (``ttt.packed_query_len``)."""
+    from eagle3fn.ttt import packed_query_len
+
+    return packed_query_len(math.ceil(m), _packed_len(args))
+
+
+def _flex_mask_bytes(Qp: int, Lp: int) -> int:
+    """One step's ``packed_block_mask``: int32 kv tables (``[Mq]`` counts and
+    ``[Mq, M]`` indices, partial and full; Mq = Qp/128, M = Lp/128), their transposed q
+    tables (``[M]``, ``[M, Mq]``), and the int64 query windows (start, last ``[Qp]``)
+    its ``mask_mod`` captures."""
+    Mq, M = Qp // FLEX_BLOCK, Lp // FLEX_BLOCK
+    return 4 * (2 * Mq + 2 * M + 4 * Mq * M) + 2 * Qp * 8
 
 
 def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool) -> float:
     """What ``ttt.merge_diagonal`` keeps at step ``j >= 1`` for ``m`` rows: always the
-    natural-log log-sum-exp FlexAttention returns (fp32 ``[1, h, Lp]``, apart from
+    natural-log log-sum-exp FlexAttention returns (fp32 ``[1, h, Qp]``, apart from
     the one it keeps itself); ``o`` is a view of the FlexAttention output, counted
     there.
 
@@ -561,7 +572,7 @@ def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool) -> float:
     if j == 0:
         return 0.0
     P, G, sh = m * h * d, m * g * d, m * h
-    lse = _packed_len(args) * h * 4
+    lse = _query_len(args, m) * h * 4
     if fused:
         return lse + P * b + 2 * j * G * b + j * sh * 4 + 4
     return lse + P * 4 * (2 if b == 4 else 3) + 2 * j * G * 4 + (2 * j + 3) * sh * 4
@@ -573,8 +584,9 @@ def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str |
     (default every row, ``B*C``). ``kind`` and ``hops`` (earlier ring blocks seen)
     default to the planned rank's, ``fused`` to ``_fused()``.
 
-    flex (``ttt.packed_flex_attention``): the packed query and output ``[1, h, Lp, d]``,
-    the fp32 log-sum-exp and row maximum ``[1, h, Lp]``, the block mask, the merge of
+    flex (``ttt.packed_flex_attention``): the packed query and output ``[1, h, Qp, d]``
+    (Qp = ``m`` rounded up to a query bucket, ``ttt.packed_query_len``), the fp32
+    log-sum-exp and row maximum ``[1, h, Qp]``, the block mask, the merge of
     the diagonal keys (``_merge_saved``) and, at step 0 only, the packed step-0 keys
     and values ``[1, g, Lp, d]`` (shared by every step). eager / ring: the dense
     ``[B, h, C, d]`` queries (trimmed rows are zeros there) and explicit scores."""
@@ -584,10 +596,10 @@ def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str |
     m = B * C if m is None else m
     if kind == "flex":
         fused = _fused() if fused is None else fused
-        Lp = _packed_len(args)
-        lse = Lp * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
+        Lp, Qp = _packed_len(args), _query_len(args, m)
+        lse = Qp * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
         keys = 2 * Lp * g * d * b if j == 0 else 0
-        return 2 * Lp * h * d * b + lse + _flex_mask_bytes(Lp) + keys + _merge_saved(args, j, m, fused)
+        return 2 * Qp * h * d * b + lse + _flex_mask_bytes(Qp, Lp) + keys + _merge_saved(args, j, m, fused)
     vec = B * C * h * d * b
     # matmul folds [B, h, C, d] queries laid out as [B, C, h, d] without a copy only
     # when B = 1; the diagonal terms keep the queries themselves from step 1 on
@@ -802,17 +814,20 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     # Backbone backward of step j: steps <= j still hold their saved tensors and output
     # gradients; step j runs the SwiGLU backward (two [m, I] gradients beyond the
     # freed one) and later the attention backward (by then the SwiGLU tensors are freed).
-    if kind == "flex":
-        Lp = _packed_len(args)
-        attention_transient = FLEX_BACKWARD_WORKSPACE * (2 * Lp * h * d * b + 2 * Lp * g * d * b)
-    else:  # score gradients in fp32 beside the saved scores
-        attention_transient = 2 * B * h * C * C * (args.sp if kind == "ring" else 1) * 4
+    def attention_workspace(m):
+        if kind == "flex":
+            Qp, Lp = _query_len(args, m), _packed_len(args)
+            return FLEX_BACKWARD_WORKSPACE * (2 * Qp * h * d * b + 2 * Lp * g * d * b)
+        # score gradients in fp32 beside the saved scores
+        return 2 * B * h * C * C * (args.sp if kind == "ring" else 1) * 4
+
+    attention_transient = max(attention_workspace(m) for m in m_rows)
     for j in range(k - 1, -1, -1):
         m = m_rows[j]
         held = resident + lm_grad + sum(saved[: j + 1]) + sum(d_out[: j + 1])
         grads = H * I * grad_bytes if j == k - 1 else layer_numel * grad_bytes + H * I * new_grad
         mlp_bwd = 2 * m * I * b
-        attn_bwd = attention_transient - _swiglu_saved(args, m, fused)
+        attn_bwd = attention_workspace(m) - _swiglu_saved(args, m, fused)
         phases[f"backward_{j}"] = held + grads + max(mlp_bwd, attn_bwd)
 
     peak_phase = max(phases, key=phases.get)

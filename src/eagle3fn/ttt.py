@@ -168,36 +168,50 @@ def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor,
     return prep(k_Ngd), prep(v_Ngd)
 
 
-def packed_block_mask(start_L: torch.Tensor, last_L: torch.Tensor, num_queries: int, mask_mod):
-    """FlexAttention BlockMask for ``Lp`` packed queries over ``Lp`` flat keys: query
-    ``i`` may see keys ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query
-    block: full blocks = key blocks inside every query's window, partial blocks (the
-    ``mask_mod`` applies) = the rest of the union of the windows; blocks holding only
-    padding queries (``i >= num_queries``) list nothing and are skipped."""
+QUERY_BUCKETS = 8
+"""Packed query lengths are rounded up to a multiple of ``Lp / QUERY_BUCKETS`` (in
+FLEX_BLOCK units): at most this many compiled FlexAttention kernels per key length,
+and query/output tensors at most ``Lp / QUERY_BUCKETS`` rows longer than needed."""
+
+
+def packed_query_len(num_queries: int, key_len: int) -> int:
+    """The packed query length for ``num_queries`` rows over ``key_len`` keys (a multiple
+    of FLEX_BLOCK, at least one block, at most ``key_len``; see QUERY_BUCKETS)."""
+    unit = -(-key_len // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK
+    return min(key_len, max(-(-num_queries // unit), 1) * unit)
+
+
+def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int, key_len: int,
+                      mask_mod):
+    """FlexAttention BlockMask for ``Qp = len(start_Q)`` packed queries over ``key_len``
+    flat keys (both multiples of FLEX_BLOCK): query ``i`` may see keys
+    ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query block: full blocks
+    = key blocks inside every query's window, partial blocks (the ``mask_mod``
+    applies) = the rest of the union of the windows; blocks holding only padding
+    queries (``i >= num_queries``) list nothing and are skipped."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    Lp = start_L.shape[0]
-    M = Lp // FLEX_BLOCK
-    m = torch.arange(M, device=start_L.device)
+    M, NB = start_Q.shape[0] // FLEX_BLOCK, key_len // FLEX_BLOCK
+    m = torch.arange(M, device=start_Q.device)
     first = (m * FLEX_BLOCK).clamp(max=max(num_queries - 1, 0))
     final = (m * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=max(num_queries - 1, 0))
     active = (m * FLEX_BLOCK < num_queries).int()
-    lo = start_L[first] // FLEX_BLOCK
-    hi = torch.maximum(last_L[final] // FLEX_BLOCK, lo)
-    full_lo = (start_L[final] + FLEX_BLOCK - 1) // FLEX_BLOCK
-    full_hi = (last_L[first] + 1) // FLEX_BLOCK - 1
+    lo = start_Q[first] // FLEX_BLOCK
+    hi = torch.maximum(last_Q[final] // FLEX_BLOCK, lo)
+    full_lo = (start_Q[final] + FLEX_BLOCK - 1) // FLEX_BLOCK
+    full_hi = (last_Q[first] + 1) // FLEX_BLOCK - 1
     num_full = (full_hi - full_lo + 1).clamp(min=0) * active
     has_full = num_full > 0
     below = torch.where(has_full, full_lo - lo, 0)  # partial blocks before the full run
     above_start = torch.where(has_full, full_hi + 1, lo)
     num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1) * active
-    i = torch.arange(M, device=start_L.device)[None]
+    i = torch.arange(NB, device=start_Q.device)[None]
     partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
-    as_i32 = lambda x: x.clamp(0, M - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
+    as_i32 = lambda x: x.clamp(0, NB - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
     return BlockMask.from_kv_blocks(
         num_partial.to(torch.int32)[None, None], as_i32(partial),
         num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i),
-        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(Lp, Lp),
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(start_Q.shape[0], key_len),
     )
 
 
@@ -228,10 +242,11 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
     (the one-rank GPU path of every trim mode).
 
-    The N queries are packed at the front of one ``Lp``-long query sequence, so
-    FlexAttention visits only ``ceil(N / FLEX_BLOCK)`` query blocks whether the rows are
-    contiguous or scattered, and the shapes (hence the compiled kernel) depend only on
-    ``B*C``. Query ``i`` (row ``b*C + p``) sees the flat step-0 keys ``b*C .. b*C + p``
+    The N queries are packed at the front of one query sequence of
+    ``packed_query_len(N, Lp)`` rows, so FlexAttention visits only
+    ``ceil(N / FLEX_BLOCK)`` query blocks whether the rows are contiguous or scattered,
+    keeps query/output tensors of about N rows, and the shapes (hence the compiled
+    kernels) take at most QUERY_BUCKETS values per ``B*C``. Query ``i`` (row ``b*C + p``) sees the flat step-0 keys ``b*C .. b*C + p``
     (capped at the sample's last real row); the diagonal keys are merged afterwards by
     log-sum-exp (``merge_diagonal``), so no key is ever copied per step.
 
@@ -253,7 +268,8 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     Lp = K.shape[2]
     if N == 0:
         return q_NhD.new_zeros(N, h, d)
-    qflat = torch.cat([rows_N, rows_N[-1:].expand(Lp - N)])  # padding queries copy the last
+    Qp = packed_query_len(N, Lp)
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(Qp - N)])  # padding queries copy the last
     sample = qflat // num_rows
     start = sample * num_rows
     last = torch.minimum(qflat, start + lengths_B[sample] - 1)
@@ -261,8 +277,8 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     def mask_mod(b, head, q_idx, kv_idx):
         return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
 
-    block_mask = packed_block_mask(start, last, N, mask_mod)
-    Q = F.pad(q_NhD, (0, 0, 0, 0, 0, Lp - N)).transpose(0, 1)[None].contiguous()
+    block_mask = packed_block_mask(start, last, N, Lp, mask_mod)
+    Q = F.pad(q_NhD, (0, 0, 0, 0, 0, Qp - N)).transpose(0, 1)[None].contiguous()
     attend = _compiled_flex() if q_NhD.is_cuda else flex_attention
     scale = 1.0 / math.sqrt(d)
     out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
