@@ -174,9 +174,10 @@ CASES = [  # (trim, loss_impl, attention, dtype bytes, batch, pattern); the loss
 ]
 
 
-# The compiled runs take a few seconds each (inductor on CPU): every trim mode, both
-# attention paths and both dtypes, not every combination.
-FUSED_CASES = [CASES[2], CASES[5], CASES[7], CASES[8]]
+# Compiling with CPU inductor costs about a minute cold in CI, so one case: the GPU
+# training configuration (bf16, flex, backbone, B = 2, scattered), where every fused
+# function (RMSNorm, RoPE, SwiGLU, the diagonal merge) runs.
+FUSED_CASES = [CASES[8]]
 
 
 def check_saved(args: PlanArgs, fused: bool):
