@@ -2,7 +2,8 @@
 
 Runs in the Triton interpreter (conftest sets TRITON_INTERPRET=1): small N, large
 vocab blocks. Every kernel output comes from a NaN-poisoned allocator, so a row or
-column the kernels forget to write fails the comparisons.
+column the kernels forget to write fails the comparisons. The teacher is the compact
+table (draft-vocab logits + two log-sum-exps), fp32 or bf16.
 """
 
 import dataclasses
@@ -41,10 +42,12 @@ class Case:
     row_mask: torch.Tensor
 
 
-def make_case(N, Vd, seed=0):
+def make_case(N, Vd, seed=0, teacher_dtype=torch.float32, table_rows=None):
     """Teacher table over a target vocab of Vd + 17 where every third teacher's argmax
     leaves the draft vocab (gate off); half the rows lean toward their teacher's token
-    so ``correct`` is neither all 0 nor all 1; a random row mask."""
+    so ``correct`` is neither all 0 nor all 1; a random row mask. The target logits
+    are rounded to ``teacher_dtype`` first (the table keeps them in that dtype).
+    ``table_rows`` (``[N]``, into ``U = N // 2 + 2`` rows) defaults to random."""
     g = torch.Generator().manual_seed(seed)
     V = Vd + 17
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -53,8 +56,9 @@ def make_case(N, Vd, seed=0):
     U = N // 2 + 2
     target = torch.randn(U, V, generator=g) * 2
     target[1::3, torch.nonzero(~t2d)[0, 0]] += 30
-    table = teacher_table_from_logits(target, t2d)
-    table_rows = torch.randint(0, U, (N,), generator=g)
+    table = teacher_table_from_logits(target.to(teacher_dtype), t2d)
+    if table_rows is None:
+        table_rows = torch.randint(0, U, (N,), generator=g)
     logits = torch.randn(N, Vd, generator=g) * 2
     draft_id = (torch.cumsum(t2d, 0) - 1)[table.target_token[table_rows]]
     logits[torch.arange(0, N, 2), draft_id[::2]] += 8
@@ -70,12 +74,12 @@ def err(x, y):
     return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
 
 
-def run_rows(fn, case, logits, *, row_mask=None, table_rows=None, dtype=torch.float32):
+def run_rows(fn, case, logits, *, row_mask=None, table_rows=None):
     """Per-row outputs of ``fn`` (the kernel or its twin) and the logits gradient of
     ``sum_i w_i * loss_i`` with random row weights w (exercises the upstream grad)."""
     t = case.table
     x = logits.detach().clone().requires_grad_(True)
-    out = fn(x, t.probs.to(dtype), t.probs_on_draft.to(dtype), t.gate,
+    out = fn(x, t.logits, t.lse_draft, t.lse_full, t.gate,
              case.table_rows if table_rows is None else table_rows,
              target_token_U=t.target_token, d2t_V=case.d2t, row_mask_N=row_mask)
     w = torch.randn(x.shape[0], generator=torch.Generator().manual_seed(1), dtype=out.loss.dtype)
@@ -142,9 +146,11 @@ def test_case_exercises_every_branch():
 
 
 def fp64_table(case):
+    """The same table, exactly, in fp64 (the teacher's probabilities in fp64 math)."""
     t = case.table
     return dataclasses.replace(case, table=dataclasses.replace(
-        t, probs=t.probs.double(), probs_on_draft=t.probs_on_draft.double()))
+        t, logits=t.logits.double(), lse_draft=t.lse_draft.double(),
+        lse_full=t.lse_full.double()))
 
 
 def assert_three_way(kernel, torch_same, truth, tol, what):
@@ -163,11 +169,13 @@ def test_three_way_against_fp64(N, Vd, dtype):
     rounded inputs (STYLE example 2). Direct kernel-vs-torch bounds would be wrong here:
     at large Vd torch's own fp32 sums are the less accurate side."""
     tol = FP32_LOSS if dtype == torch.float32 else LOW_TOL
-    case, case64 = make_case(N, Vd), fp64_table(make_case(N, Vd))
+    # bf16 draft logits come with a bf16 target, whose table keeps bf16 teacher logits
+    teacher = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    case = make_case(N, Vd, teacher_dtype=teacher)
+    case64 = fp64_table(case)
     low = case.logits.to(dtype)
     mask = case.row_mask
-    truth = run_rows(indexed_soft_ce_naive, case64, low.double(), row_mask=mask,
-                     dtype=torch.float64)
+    truth = run_rows(indexed_soft_ce_naive, case64, low.double(), row_mask=mask)
     kernel = run_rows(indexed_soft_ce, case, low, row_mask=mask)
     torch_low = run_rows(indexed_soft_ce_naive, case, low, row_mask=mask)
     assert kernel[1].dtype == dtype
@@ -221,9 +229,9 @@ def test_teacher_mass_other_than_one():
     """dz = g (softmax(z) * sum_v p_v - p): the mass term matters when the teacher rows
     do not sum to exactly 1 (a backward that drops it fails here, not above)."""
     case = make_case(9, 1000)
-    scale = torch.linspace(0.5, 1.5, case.table.num_positions)[:, None]
+    scale = torch.linspace(0.5, 1.5, case.table.num_positions)
     case = dataclasses.replace(case, table=dataclasses.replace(
-        case.table, probs=case.table.probs * scale))
+        case.table, lse_draft=case.table.lse_draft - scale.log()))
     assert_rows_match(run_rows(indexed_soft_ce, case, case.logits),
                       run_rows(indexed_soft_ce_naive, case, case.logits),
                       tol_out=FP32_LOSS, tol_grad=FP32_GRAD)
@@ -363,8 +371,7 @@ def test_fp64_runs_the_torch_twin():
     case = make_case(9, 1000)
     x = case.logits.double()
     case64 = fp64_table(case)
-    got, want = (run_rows(f, case64, x, dtype=torch.float64)
-                 for f in (indexed_soft_ce, indexed_soft_ce_naive))
+    got, want = (run_rows(f, case64, x) for f in (indexed_soft_ce, indexed_soft_ce_naive))
     assert_rows_match(got, want, tol_out=0, tol_grad=0)
     assert_steps_match(run_step(case64, x, "triton"), run_step(case64, x, "torch"),
                        tol_loss=1e-12, tol_grad=1e-12)
@@ -410,8 +417,8 @@ class _TableGathers(TorchDispatchMode):
 
 @pytest.mark.parametrize("N,Vd", [(5, 1000), (3, 32000)])
 def test_triton_path_never_gathers_the_table(N, Vd):
-    case = make_case(N, Vd)
-    tables = (case.table.probs, case.table.probs_on_draft)
+    case = make_case(N, Vd, teacher_dtype=torch.bfloat16)
+    tables = (case.table.logits, case.table.lse_draft, case.table.lse_full)
     with _TableGathers(tables) as triton_ops:
         run_step(case, case.logits, "triton", row_mask=case.row_mask)
     with _TableGathers(tables) as torch_ops:
@@ -419,3 +426,80 @@ def test_triton_path_never_gathers_the_table(N, Vd):
     assert triton_ops.sizes == []
     # Negative control: the same recorder sees the torch path's [N, Vd] gathers.
     assert torch_ops.sizes.count(N * Vd) >= 2, torch_ops.sizes
+
+
+# ---- the compact table: kernels == torch path, and no [U, Vd] fp32 -------------------
+
+# Rows that repeat and skip table rows (U = 9: rows 1, 2, 6, 7 unused; row 4 has its
+# gate off, since make_case turns off every third teacher's gate).
+REPEAT_SKIP = torch.tensor([8, 8, 0, 4, 3, 3, 8, 5, 0, 5, 4, 8, 0, 5])
+COMPACT = [(1000, 128), (4099, 4096), (4096, 1024), (777, 65536)]
+
+
+@pytest.mark.parametrize("teacher_dtype", [torch.bfloat16, torch.float32],
+                         ids=["bf16-table", "fp32-table"])
+@pytest.mark.parametrize("Vd,block", COMPACT, ids=[f"Vd{v}-block{b}" for v, b in COMPACT])
+def test_compact_table_kernels_match_torch(Vd, block, teacher_dtype, monkeypatch):
+    """Kernels (teacher probabilities from logits + lse in registers) == the torch path
+    (probabilities of the gathered rows): per-row outputs, loss sums, counts,
+    acceptance and logits gradients, for Vd a multiple of the block or not, with
+    repeated and skipped table rows; the same comparisons catch a swapped lse."""
+    monkeypatch.setattr(soft_ce_module, "INTERPRETER_BLOCK_V", block)
+    case = make_case(len(REPEAT_SKIP), Vd, seed=7, teacher_dtype=teacher_dtype,
+                     table_rows=REPEAT_SKIP)
+    assert case.table.logits.dtype == teacher_dtype and case.table.num_positions == 9
+    gate = case.table.gate[REPEAT_SKIP]
+    assert 0 < gate.sum() < len(REPEAT_SKIP)
+    for mask in (None, case.row_mask):
+        assert_rows_match(run_rows(indexed_soft_ce, case, case.logits, row_mask=mask),
+                          run_rows(indexed_soft_ce_naive, case, case.logits, row_mask=mask),
+                          tol_out=FP32_LOSS, tol_grad=FP32_GRAD)
+        got = run_step(case, case.logits, "triton", row_mask=mask)
+        want = run_step(case, case.logits, "torch", row_mask=mask)
+        assert_steps_match(got, want, tol_loss=FP32_LOSS, tol_grad=FP32_GRAD)
+        assert 0 < want[0].correct < want[0].rows and want[0].accept_sum > 0
+    # Negative control: the kernels read lse_full where lse_draft belongs.
+    t = case.table
+    swapped = dataclasses.replace(case, table=dataclasses.replace(t, lse_draft=t.lse_full))
+    with pytest.raises(AssertionError):
+        assert_steps_match(run_step(swapped, case.logits, "triton"),
+                           run_step(case, case.logits, "torch"),
+                           tol_loss=FP32_LOSS, tol_grad=FP32_GRAD)
+    with pytest.raises(AssertionError):
+        assert_rows_match(run_rows(indexed_soft_ce, swapped, case.logits),
+                          run_rows(indexed_soft_ce_naive, case, case.logits),
+                          tol_out=FP32_LOSS, tol_grad=FP32_GRAD)
+
+
+class _Outputs(TorchDispatchMode):
+    """Records ``(shape, dtype)`` of every op output."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.seen.add((tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_loss_paths_never_build_dense_teacher_probabilities(impl):
+    """Neither path (forward, backward, with the acceptance gradient too) allocates an
+    fp32 ``[U, Vd]``: the torch one works on the ``[N, Vd]`` rows, the kernels in
+    registers."""
+    N, Vd = 5, 1000
+    case = make_case(N, Vd, teacher_dtype=torch.bfloat16)
+    dense = ((case.table.num_positions, Vd), torch.float32)
+    assert case.table.num_positions != N
+    with _Outputs() as rec:
+        for accept_grad in (False, True):
+            run_step(case, case.logits, impl, row_mask=case.row_mask, accept_grad=accept_grad)
+    assert ((N, Vd), torch.float32) in rec.seen  # the recorder sees the step's tensors
+    assert dense not in rec.seen
+    with _Outputs() as rec:  # negative control: the dense property does build it
+        case.table.probs
+    assert dense in rec.seen

@@ -5,7 +5,7 @@ The data flow, one stage per module::
     batch (ids, loss mask, attention mask, target features)
       -> align.supervised_mask      sup = {t : m_t, t <= L-2}        bool [B, T]
       -> rowmap.build_rowmap        rows_j = {s - j}, teacher positions U, table rows
-      -> teacher.teacher_table_*    probs / probs_on_draft [U, Vd], token / gate [U]
+      -> teacher.teacher_table_*    draft logits [U, Vd], lse_draft / lse_full / token / gate [U]
       -> ttt.ttt                    draft unrolled k steps (draft.py), logits_j
                                     only at rows_j under trim="loss"   [n_j, Vd]
       -> loss.step_terms            gated sums and metric counts per step

@@ -67,10 +67,10 @@ def _check_rows(logits_NV: torch.Tensor, table: TeacherTable, table_rows_N: torc
             f"logits must be [N, Vd] with table_rows [N], got {tuple(logits_NV.shape)} "
             f"and {tuple(table_rows_N.shape)}"
         )
-    if logits_NV.shape[1] != table.probs.shape[1]:
+    if logits_NV.shape[1] != table.draft_vocab_size:
         raise ValueError(
             f"logits have {logits_NV.shape[1]} draft-vocab columns but the teacher table "
-            f"has {table.probs.shape[1]}; the draft's lm_head and t2d disagree"
+            f"has {table.draft_vocab_size}; the draft's lm_head and t2d disagree"
         )
 
 
@@ -81,7 +81,7 @@ def _check_impl(impl: str) -> None:
 
 def _kernel(logits_NV: torch.Tensor, table: TeacherTable, table_rows_N: torch.Tensor,
             row_mask_N: torch.Tensor | None, d2t: torch.Tensor | None = None) -> SoftCE:
-    return indexed_soft_ce(logits_NV, table.probs, table.probs_on_draft, table.gate,
+    return indexed_soft_ce(logits_NV, table.logits, table.lse_draft, table.lse_full, table.gate,
                            table_rows_N, row_mask_N=row_mask_N, d2t_V=d2t,
                            target_token_U=None if d2t is None else table.target_token)
 
@@ -97,11 +97,14 @@ def soft_cross_entropy(
     """Gated soft cross-entropy **summed** over rows (0-d, differentiable in logits).
 
     ``sum_i gate[t_i] * -sum_v probs[t_i, v] * log_softmax(logits[i])[v]`` with
-    ``t_i = table_rows[i]``; fp32 math (fp64 for fp64 logits). N = 0 gives 0.
+    ``t_i = table_rows[i]`` and ``probs = exp(table.logits - table.lse_draft)``; fp32
+    math (fp64 for fp64 logits or table). N = 0 gives 0.
 
     Args:
         logits_NV: ``[N, Vd]`` draft logits of the step's rows.
-        table: the batch's TeacherTable (``probs [U, Vd]``, ``gate [U]``).
+        table: the batch's compact TeacherTable (``logits [U, Vd]``, ``lse_draft``,
+            ``gate [U]``); the torch path computes the probabilities of its ``[N, Vd]``
+            rows only, the kernels in registers.
         table_rows_N: int64 ``[N]``, indices into the table.
         row_mask_N: bool ``[N]`` or None; rows outside it count as absent (the
             full-length path computes every row and masks, the trimmed one indexes).
@@ -113,7 +116,7 @@ def soft_cross_entropy(
     if impl == "triton":
         return _kernel(logits_NV, table, table_rows_N, row_mask_N).loss.sum()
     logp = F.log_softmax(_math(logits_NV), dim=-1)
-    per_row = -(table.probs[table_rows_N] * logp).sum(dim=-1)
+    per_row = -(table.probs_at(table_rows_N) * logp).sum(dim=-1)
     return torch.where(_gate(table, table_rows_N, row_mask_N), per_row, 0.0).sum()
 
 
@@ -160,7 +163,8 @@ def step_terms(
     if impl == "torch" or accept_grad:  # the kernels' acceptance has no gradient
         with torch.set_grad_enabled(accept_grad and torch.is_grad_enabled()):
             probs = torch.softmax(_math(logits_NV), dim=-1)
-            accept = torch.minimum(table.probs_on_draft[table_rows_N], probs).sum(dim=-1)
+            teacher = table.probs_on_draft_at(table_rows_N)  # [N, Vd]
+            accept = torch.minimum(teacher, probs).sum(dim=-1)
             accept = torch.where(gate, accept, 0.0)
     # log(1) = 0 stands in for log 0 and for ungated rows (finite gradients).
     log_accept = torch.log(torch.where(gate & (accept > 0), accept, 1.0))

@@ -247,9 +247,10 @@ class Memory:
             ``world`` (0 without ``optimizer``).
         inputs: features (ids, masks, aux, final hidden, target head), vocab maps and
             row-map indices.
-        teacher_table: ``probs`` and ``probs_on_draft`` ``[U, Vd]`` fp32, tokens, gates.
+        teacher_table: the compact table: draft-vocab logits ``[U, Vd]`` in the compute
+            dtype, two fp32 log-sum-exps, tokens, gates.
         teacher_transient: extra bytes while the table is streamed from the final
-            hidden (gathered hidden, fp32 vocab blocks, draft logits).
+            hidden (gathered hidden, fp32 vocab blocks and their draft columns).
         saved_per_step: ``[k]``, what the backbone (fc, layer, attention) keeps for
             backward at each step.
         attention_saved: ``[k]``, the attention's share of ``saved_per_step``.
@@ -710,13 +711,14 @@ def _head_saved(args: PlanArgs, rows: Rows, fused: bool) -> list[float]:
 def _teacher_bytes(args: PlanArgs, U: float) -> tuple[float, float]:
     """(table bytes, extra bytes while building it from the final hidden)."""
     Vd, V = args.draft_vocab, args.vocab
+    b = args.dtype_bytes
     cs = min(args.teacher_chunk_size, V)
-    last = V - (math.ceil(V / cs) - 1) * cs
-    table = U * (2 * Vd * 4 + 8 + 1)
-    # loop: old z fp32, z - max, exp(z - max) beside the draft logits; then the table
-    # (draft logits, probs, the exp temporary, probs_on_draft) beside the last block
-    per_row = max(4 * Vd + 12 * cs, 16 * Vd + 4 * last) + args.ht * args.dtype_bytes
-    return table, U * per_row + V * 8 - table
+    table = U * (Vd * b + 4 + 4 + 8 + 1)  # logits, lse_draft, lse_full, token, gate
+    # beside the table: the block's fp32 z, z - max and exp(z - max) (the draft-vocab
+    # lse after the loop, in row blocks of U * cs entries, needs less); the gathered
+    # hidden; int64 cumsum [V] and draft ids [Vd]
+    per_row = 12 * cs + args.ht * b
+    return table, U * per_row + (V + Vd) * 8
 
 
 def _inputs_bytes(args: PlanArgs, rows: Rows) -> float:
@@ -788,11 +790,14 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
 
     # Head backward, heads in the order k-1 .. 0 (recorded last, run first). The table
     # is held by the fused head's checkpoints (the Triton loss of the unfused head keeps
-    # only probs); each head frees what it saved and leaves its output gradient.
+    # only its logits and lse_draft); each head frees what it saved and leaves its
+    # output gradient.
     if trimmed_head:
         table_bwd = table
+    elif args.loss_impl == "triton":
+        table_bwd = rows.teacher_positions * (Vd * args.dtype_bytes + 4)
     else:
-        table_bwd = rows.teacher_positions * Vd * 4 if args.loss_impl == "triton" else 0.0
+        table_bwd = 0.0
     fwd_end = resident + table_bwd + saved_total
     d_out = [(m if rows.trim == "backbone" else R) * H * b for m in m_rows]
     done, head_transient = 0.0, 0.0

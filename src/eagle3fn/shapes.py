@@ -83,19 +83,29 @@ class TeacherTable:
     """The target's distribution at the U supervised teacher positions (SPEC 4).
 
     Built once per batch with no grad; every TTT step reads it by index
-    (``RowMap.table_rows``). Float fields are fp32, or fp64 when built from fp64.
+    (``RowMap.table_rows``). Compact: it keeps the teacher's draft-vocab logits in the
+    dtype the target produced them in (bf16 for a bf16 target: ``2*U*Vd`` bytes) and two
+    log-sum-exps per row; the probabilities are computed where they are read, on the
+    ``[N, Vd]`` rows of a step (``probs_at``, ``probs_on_draft_at``) or in the kernels'
+    registers, never as ``[U, Vd]`` fp32 in the training path.
 
     Fields:
-        probs: ``[U, Vd]``, ``softmax(z'[s][t2d])`` renormalised over the draft vocab.
-        probs_on_draft: ``[U, Vd]``, ``exp(z'[s][t2d] - logsumexp_V z'[s])`` (not
-            renormalised; used by the acceptance metric and the LK objectives).
+        logits: ``[U, Vd]``, ``z'[s][t2d]``, the teacher's logits on the draft vocab in
+            the target's dtype (bf16/fp16/fp32/fp64), exactly as produced.
+        lse_draft: ``[U]``, ``logsumexp_Vd z'[s][t2d]`` in the math dtype (fp32, fp64 for
+            fp64 inputs): ``probs = exp(logits - lse_draft)``, renormalised over the draft
+            vocab (the soft cross-entropy's target).
+        lse_full: ``[U]``, ``logsumexp_V z'[s]`` over the full target vocab, math dtype:
+            ``probs_on_draft = exp(logits - lse_full)``, not renormalised (the
+            acceptance metric and the LK objectives).
         target_token: int64 ``[U]``, ``argmax_V z'[s]``, ties to the lowest id.
         gate: bool ``[U]``, ``t2d[target_token]``: the row trains only if the target's
             token is in the draft vocab.
     """
 
-    probs: torch.Tensor
-    probs_on_draft: torch.Tensor
+    logits: torch.Tensor
+    lse_draft: torch.Tensor
+    lse_full: torch.Tensor
     target_token: torch.Tensor
     gate: torch.Tensor
 
@@ -103,6 +113,41 @@ class TeacherTable:
     def num_positions(self) -> int:
         """U, the number of teacher positions."""
         return self.target_token.shape[0]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Vd, the number of draft-vocab columns."""
+        return self.logits.shape[1]
+
+    def probs_at(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """``[N, Vd]`` ``softmax(z'[s][t2d])`` of table rows ``rows_N`` (int64 ``[N]``), in
+        the math dtype of ``lse_draft``."""
+        z = self.logits[rows_N].to(self.lse_draft.dtype)
+        return torch.exp(z - self.lse_draft[rows_N, None])
+
+    def probs_on_draft_at(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """``[N, Vd]`` ``exp(z'[s][t2d] - logsumexp_V z'[s])`` of table rows ``rows_N``
+        (int64 ``[N]``), in the math dtype of ``lse_full``."""
+        z = self.logits[rows_N].to(self.lse_full.dtype)
+        return torch.exp(z - self.lse_full[rows_N, None])
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """``[U, Vd]`` ``probs_at`` of every row: a new dense tensor (tests, diagnostics;
+        not for the training path)."""
+        return torch.exp(self.logits.to(self.lse_draft.dtype) - self.lse_draft[:, None])
+
+    @property
+    def probs_on_draft(self) -> torch.Tensor:
+        """``[U, Vd]`` ``probs_on_draft_at`` of every row: a new dense tensor (tests,
+        diagnostics; not for the training path)."""
+        return torch.exp(self.logits.to(self.lse_full.dtype) - self.lse_full[:, None])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the table's tensors (``U*Vd*logits.element_size() + O(U)``)."""
+        fields = (self.logits, self.lse_draft, self.lse_full, self.target_token, self.gate)
+        return sum(t.numel() * t.element_size() for t in fields)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Legend: U teacher positions (``RowMap.teacher_positions``), V target vocab, Vd d
 vocab, H target hidden size. ``t2d: bool[V]`` selects the draft vocab (``vocab.py``).
 
 The table is built once per batch with no grad and shared by every TTT step, which
-reads it by index. Math runs in fp32 (fp64 when the inputs are fp64).
+reads it by index. It keeps the teacher's draft-vocab logits as produced (bf16 for a
+bf16 target) and two log-sum-exps per row (``shapes.TeacherTable``); math runs in
+fp32 (fp64 when the inputs are fp64).
 """
 
 from __future__ import annotations
@@ -31,14 +33,19 @@ def _check_t2d(t2d: torch.Tensor, vocab_size: int, what: str) -> None:
         )
 
 
-def _table(draft_logits_UVd: torch.Tensor, lse_U: torch.Tensor, token_U: torch.Tensor,
-           t2d: torch.Tensor) -> TeacherTable:
-    return TeacherTable(
-        probs=torch.softmax(draft_logits_UVd, dim=-1),
-        probs_on_draft=torch.exp(draft_logits_UVd - lse_U[:, None]),
-        target_token=token_U,
-        gate=t2d[token_U],
-    )
+def _table(logits_UVd: torch.Tensor, lse_draft_U: torch.Tensor, lse_full_U: torch.Tensor,
+           token_U: torch.Tensor, t2d: torch.Tensor) -> TeacherTable:
+    return TeacherTable(logits=logits_UVd, lse_draft=lse_draft_U, lse_full=lse_full_U,
+                        target_token=token_U, gate=t2d[token_U])
+
+
+def _draft_lse(logits_UVd: torch.Tensor, dtype: torch.dtype, block_rows: int) -> torch.Tensor:
+    """``[U]`` ``logsumexp`` of the rows of ``logits_UVd`` upcast to ``dtype``, ``block_rows``
+    rows at a time (the upcast copy and its temporaries are ``[block_rows, Vd]``)."""
+    step = max(block_rows, 1)
+    blocks = [torch.logsumexp(logits_UVd[r:r + step].to(dtype), dim=-1)
+              for r in range(0, logits_UVd.shape[0], step)]
+    return torch.cat(blocks) if blocks else logits_UVd.new_empty(0, dtype=dtype)
 
 
 @torch.no_grad()
@@ -50,13 +57,16 @@ def teacher_table_from_logits(logits_UV: torch.Tensor, t2d: torch.Tensor) -> Tea
         t2d: bool ``[V]``, the draft vocab.
 
     Returns:
-        TeacherTable with ``probs, probs_on_draft: [U, Vd]``, ``target_token, gate: [U]``.
+        TeacherTable with ``logits: [U, Vd]`` in ``logits_UV``'s dtype, ``lse_draft,
+        lse_full: [U]`` in fp32 (fp64 for fp64 logits), ``target_token, gate: [U]``.
     """
     if logits_UV.dim() != 2:
         raise ValueError(f"logits must be [U, V], got shape {tuple(logits_UV.shape)}")
     _check_t2d(t2d, logits_UV.shape[1], "logits")
     z = logits_UV.to(_math_dtype(logits_UV.dtype))
-    return _table(z[:, t2d], torch.logsumexp(z, dim=-1), z.argmax(dim=-1), t2d)
+    draft = logits_UV[:, t2d]
+    return _table(draft, _draft_lse(draft, z.dtype, draft.shape[0]),
+                  torch.logsumexp(z, dim=-1), z.argmax(dim=-1), t2d)
 
 
 @torch.no_grad()
@@ -71,14 +81,22 @@ def teacher_table_from_hidden(
 
     Equals ``teacher_table_from_logits(hidden_UH @ lm_head_VH.T, t2d)`` without ever
     holding ``[U, V]``: each ``[U, chunk]`` block updates a running log-sum-exp and
-    argmax (strictly greater wins, so ties keep the lowest id) and scatters its
-    draft-vocab columns into the ``[U, Vd]`` draft logits.
+    argmax (strictly greater wins, so ties keep the lowest id) and writes its draft-vocab
+    columns (a contiguous range of draft ids, both vocabs being in id order) into the
+    table's logits, as produced; the draft-vocab log-sum-exp is then taken over the
+    table's rows, in blocks of about ``U * chunk_size`` entries.
 
     Args:
         hidden_UH: ``[U, H]`` final hidden (after the target's final norm) at ``s + 1``.
         lm_head_VH: ``[V, H]`` target head weight.
         t2d: bool ``[V]``.
-        chunk_size: vocab entries per block (peak extra memory ``U * chunk_size``).
+        chunk_size: vocab entries per block (peak extra memory ``~12 * U * chunk_size``
+            bytes beside the table).
+
+    Returns:
+        TeacherTable with ``logits: [U, Vd]`` in the dtype of the head's matmul (bf16
+        for bf16 inputs), ``lse_draft, lse_full: [U]`` in fp32 (fp64 for fp64 inputs),
+        ``target_token, gate: [U]``.
     """
     if hidden_UH.dim() != 2 or lm_head_VH.dim() != 2:
         raise ValueError(
@@ -94,20 +112,28 @@ def teacher_table_from_hidden(
     V = lm_head_VH.shape[0]
     _check_t2d(t2d, V, "lm_head rows")
     U = hidden_UH.shape[0]
-    dtype = _math_dtype(torch.promote_types(hidden_UH.dtype, lm_head_VH.dtype))
+    logits_dtype = torch.promote_types(hidden_UH.dtype, lm_head_VH.dtype)
+    dtype = _math_dtype(logits_dtype)
     device = hidden_UH.device
-    Vd = int(t2d.sum())
-    # Draft id of each selected target id; the others write a scratch column Vd (an
-    # index write, not a boolean-mask one, which would sync the GPU per chunk).
-    draft_col = torch.where(t2d, torch.cumsum(t2d, dim=0) - 1, Vd)
-    draft_logits = torch.empty(U, Vd + 1, dtype=dtype, device=device)
+    # Draft ids are target ids in order, so the draft ids of chunk c are the range
+    # [bounds[c], bounds[c + 1]): one host read for the whole table (Vd sizes the
+    # allocation anyway), none in the loop, and no boolean-mask indexing (a GPU sync).
+    cum = torch.cumsum(t2d, dim=0)  # [V], draft ids at or before each target id
+    last = torch.arange(chunk_size - 1, V + chunk_size - 1, chunk_size, device=cum.device)
+    bounds = [0] + cum[last.clamp_max(V - 1)].tolist()
+    Vd = bounds[-1]
+    draft_ids = torch.searchsorted(cum, torch.arange(1, Vd + 1, device=cum.device))  # [Vd]
+    logits = torch.empty(U, Vd, dtype=logits_dtype, device=device)
     run_max = torch.full((U,), float("-inf"), dtype=dtype, device=device)
     run_sum = torch.zeros(U, dtype=dtype, device=device)
     best_id = torch.zeros(U, dtype=torch.long, device=device)
-    for start in range(0, V, chunk_size):
+    for c, start in enumerate(range(0, V, chunk_size)):
         end = min(start + chunk_size, V)
-        z = F.linear(hidden_UH, lm_head_VH[start:end]).to(dtype)  # [U, chunk]
-        draft_logits.index_copy_(1, draft_col[start:end], z)
+        z = F.linear(hidden_UH, lm_head_VH[start:end])  # [U, chunk], as produced
+        if bounds[c + 1] > bounds[c]:
+            logits[:, bounds[c]:bounds[c + 1]] = z.index_select(
+                1, draft_ids[bounds[c]:bounds[c + 1]] - start)
+        z = z.to(dtype)
         chunk_arg = z.argmax(dim=-1)
         chunk_val = z.gather(1, chunk_arg[:, None]).squeeze(1)
         take = chunk_val > run_max
@@ -115,4 +141,5 @@ def teacher_table_from_hidden(
         new_max = torch.maximum(run_max, chunk_val)
         run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
         run_max = new_max
-    return _table(draft_logits[:, :Vd], run_max + torch.log(run_sum), best_id, t2d)
+    lse_draft = _draft_lse(logits, dtype, U * chunk_size // max(Vd, 1))
+    return _table(logits, lse_draft, run_max + torch.log(run_sum), best_id, t2d)

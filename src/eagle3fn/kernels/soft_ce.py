@@ -4,16 +4,22 @@ Legend: N rows of one step, U teacher positions, Vd draft vocab, BV vocab block.
 Row ``i`` is taught by table row ``t = table_rows[i]``; it is *in rows* when
 ``row_mask[i]`` (always, without a mask) and *active* when also ``gate[t]``.
 
+The teacher is the compact table of ``shapes.TeacherTable``: its draft-vocab logits
+``y = teacher_logits[t]`` (bf16 for a bf16 target) and two fp32 log-sum-exps per row.
+Its probabilities are computed in registers, in fp32, where they are used:
+``p = exp(y - lse_draft[t])`` (renormalised over the draft vocab) and
+``q = exp(y - lse_full[t])`` (over the full target vocab).
+
 One program per row, no ceiling on Vd (the row is never held whole):
 
-- pass 1 streams the logits ``z`` and, on active rows, the teacher row ``p = probs[t]``
+- pass 1 streams the logits ``z`` and, on active rows, the teacher row ``p``
   with an online softmax: running max ``m`` (which also yields the argmax, ties to the
   lowest id), ``s = sum exp(z - m)``, the teacher mass ``P = sum p`` and
   ``A = sum p (z - m)``, the last two rescaled as ``m`` grows. Then ``lse = m + log s``
   and ``loss = P log s - A``: two non-negative terms, so no cancellation.
-- pass 2, active rows only, needs the final lse: ``accept = sum min(q, exp(z - lse))``
-  with ``q = probs_on_draft[t]``.
-- backward: ``dz = g (exp(z - lse) P - p)``, one pass from the saved lse and P.
+- pass 2, active rows only, needs the final lse: ``accept = sum min(q, exp(z - lse))``.
+- backward: ``dz = g (exp(z - lse) P - p)``, one pass from the saved lse and P (``p``
+  recomputed from the teacher logits).
 
 Rows outside ``row_mask`` skip both passes. In-rows rows with the gate off run pass 1
 over the logits only (argmax for the acc metric) and never read the table. The table
@@ -68,8 +74,8 @@ def _to_output(x, dtype: tl.constexpr):
 
 @triton.jit
 def _soft_ce_fwd_kernel(
-    logits_ptr, probs_ptr, probs_on_draft_ptr, gate_ptr, table_rows_ptr, row_mask_ptr,
-    target_token_ptr, d2t_ptr,
+    logits_ptr, teacher_ptr, lse_draft_ptr, lse_full_ptr, gate_ptr, table_rows_ptr,
+    row_mask_ptr, target_token_ptr, d2t_ptr,
     loss_ptr, lse_ptr, mass_ptr, argmax_ptr, correct_ptr, accept_ptr,
     V,
     HAS_ROW_MASK: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -87,13 +93,15 @@ def _soft_ce_fwd_kernel(
     s = tl.full((), 0.0, tl.float32)
     mass = tl.full((), 0.0, tl.float32)
     pz = tl.full((), 0.0, tl.float32)  # sum p (z - m)
+    y_row = teacher_ptr + t * V
     if active:
-        p_row = probs_ptr + t * V
+        lse_draft = tl.load(lse_draft_ptr + t)
         for start in range(0, V, BLOCK_V):
             cols = start + lanes
             inside = cols < V
             z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-            p = tl.load(p_row + cols, mask=inside, other=0.0)
+            y = tl.load(y_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            p = tl.exp(y - lse_draft)  # 0 on the tail lanes
             z_max, z_arg = _block_max(z, cols, V)
             m_new = tl.maximum(m, z_max)
             best = tl.where(z_max > m, z_arg, best)  # strict: earlier blocks win ties
@@ -116,12 +124,13 @@ def _soft_ce_fwd_kernel(
     lse = tl.where(active, m + log_s, 0.0)
     accept = tl.full((), 0.0, tl.float32)
     if active:
-        q_row = probs_on_draft_ptr + t * V
+        lse_full = tl.load(lse_full_ptr + t)
         for start in range(0, V, BLOCK_V):
             cols = start + lanes
             inside = cols < V
             z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-            q = tl.load(q_row + cols, mask=inside, other=0.0)
+            y = tl.load(y_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            q = tl.exp(y - lse_full)
             accept += tl.sum(tl.minimum(q, tl.exp(z - lse)), 0)
 
     tl.store(loss_ptr + row, tl.where(active, mass * log_s - pz, 0.0))
@@ -136,8 +145,8 @@ def _soft_ce_fwd_kernel(
 
 @triton.jit
 def _soft_ce_bwd_kernel(
-    grad_ptr, logits_ptr, probs_ptr, gate_ptr, table_rows_ptr, row_mask_ptr, lse_ptr, mass_ptr,
-    dlogits_ptr,
+    grad_ptr, logits_ptr, teacher_ptr, lse_draft_ptr, gate_ptr, table_rows_ptr, row_mask_ptr,
+    lse_ptr, mass_ptr, dlogits_ptr,
     V,
     HAS_ROW_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -151,12 +160,14 @@ def _soft_ce_bwd_kernel(
         g = tl.load(grad_ptr + row).to(tl.float32)
         lse = tl.load(lse_ptr + row)
         mass = tl.load(mass_ptr + row)
-        p_row = probs_ptr + t * V
+        lse_draft = tl.load(lse_draft_ptr + t)
+        y_row = teacher_ptr + t * V
         for start in range(0, V, BLOCK_V):
             cols = start + lanes
             inside = cols < V
             z = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
-            p = tl.load(p_row + cols, mask=inside, other=0.0)
+            y = tl.load(y_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            p = tl.exp(y - lse_draft)
             dz = g * (tl.exp(z - lse) * mass - p)
             tl.store(dz_row + cols, _to_output(dz, dlogits_ptr.dtype.element_ty), mask=inside)
     else:
@@ -182,14 +193,15 @@ def _block_v(V: int, block_v: int | None) -> int:
     return min(block_v, triton.next_power_of_2(V))
 
 
-def _check_table(logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N) -> None:
+def _check_table(logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N) -> None:
     N, V = logits_NV.shape
     assert logits_NV.dtype in LOGIT_DTYPES and logits_NV.is_contiguous()
-    assert probs_UV.dtype == torch.float32 and probs_UV.is_contiguous()
-    assert probs_UV.dim() == 2 and probs_UV.shape[1] == V
-    assert gate_U.dtype == torch.bool and gate_U.shape == probs_UV.shape[:1]
+    assert teacher_UV.dtype in LOGIT_DTYPES and teacher_UV.is_contiguous()
+    assert teacher_UV.dim() == 2 and teacher_UV.shape[1] == V
+    assert lse_draft_U.dtype == torch.float32 and lse_draft_U.shape == teacher_UV.shape[:1]
+    assert gate_U.dtype == torch.bool and gate_U.shape == teacher_UV.shape[:1]
     assert table_rows_N.dtype == torch.int64 and table_rows_N.shape == (N,)
-    assert table_rows_N.is_contiguous() and gate_U.is_contiguous()
+    assert table_rows_N.is_contiguous() and gate_U.is_contiguous() and lse_draft_U.is_contiguous()
     if row_mask_N is not None:
         assert row_mask_N.dtype == torch.bool and row_mask_N.shape == (N,)
         assert row_mask_N.is_contiguous()
@@ -197,8 +209,9 @@ def _check_table(logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N) -> None:
 
 def soft_ce_fwd(
     logits_NV: torch.Tensor,
-    probs_UV: torch.Tensor,
-    probs_on_draft_UV: torch.Tensor,
+    teacher_UV: torch.Tensor,
+    lse_draft_U: torch.Tensor,
+    lse_full_U: torch.Tensor,
     gate_U: torch.Tensor,
     table_rows_N: torch.Tensor,
     row_mask_N: torch.Tensor | None,
@@ -209,9 +222,9 @@ def soft_ce_fwd(
 ) -> tuple[torch.Tensor, ...]:
     """Launch the forward kernel: ``(loss, lse, mass, argmax, correct, accept)``, ``[N]``
     each (fp32, fp32, fp32, int64, int8 or None without a target, fp32)."""
-    _check_table(logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N)
-    assert probs_on_draft_UV.shape == probs_UV.shape and probs_on_draft_UV.dtype == torch.float32
-    assert probs_on_draft_UV.is_contiguous()
+    _check_table(logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N)
+    assert lse_full_U.shape == lse_draft_U.shape and lse_full_U.dtype == torch.float32
+    assert lse_full_U.is_contiguous()
     assert (target_token_U is None) == (d2t_V is None)
     N, V = logits_NV.shape
     has_target = target_token_U is not None
@@ -224,7 +237,7 @@ def soft_ce_fwd(
     correct = _alloc((N,), torch.int8, device) if has_target else None
     if N > 0:
         _soft_ce_fwd_kernel[(N,)](
-            logits_NV, probs_UV, probs_on_draft_UV, gate_U, table_rows_N, row_mask_N,
+            logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N, row_mask_N,
             target_token_U, d2t_V,
             loss, lse, mass, argmax, correct, accept,
             V,
@@ -237,7 +250,8 @@ def soft_ce_fwd(
 def soft_ce_bwd(
     grad_N: torch.Tensor,
     logits_NV: torch.Tensor,
-    probs_UV: torch.Tensor,
+    teacher_UV: torch.Tensor,
+    lse_draft_U: torch.Tensor,
     gate_U: torch.Tensor,
     table_rows_N: torch.Tensor,
     row_mask_N: torch.Tensor | None,
@@ -247,15 +261,15 @@ def soft_ce_bwd(
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Launch the backward kernel: ``dlogits [N, Vd]`` in the logits' dtype."""
-    _check_table(logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N)
+    _check_table(logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N)
     N, V = logits_NV.shape
     assert grad_N.shape == (N,) and grad_N.is_contiguous()
     assert lse_N.shape == mass_N.shape == (N,) and lse_N.dtype == mass_N.dtype == torch.float32
     dlogits = _alloc((N, V), logits_NV.dtype, logits_NV.device)
     if N > 0:
         _soft_ce_bwd_kernel[(N,)](
-            grad_N, logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N, lse_N, mass_N,
-            dlogits,
+            grad_N, logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N,
+            lse_N, mass_N, dlogits,
             V,
             HAS_ROW_MASK=row_mask_N is not None, BLOCK_V=_block_v(V, block_v),
             num_warps=NUM_WARPS,
@@ -271,30 +285,32 @@ def soft_ce_bwd(
 
 class _SoftCEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(logits_NV, probs_UV, probs_on_draft_UV, gate_U, table_rows_N, row_mask_N,
-                target_token_U, d2t_V):
-        return soft_ce_fwd(logits_NV, probs_UV, probs_on_draft_UV, gate_U, table_rows_N,
-                           row_mask_N, target_token_U, d2t_V)
+    def forward(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N,
+                row_mask_N, target_token_U, d2t_V):
+        return soft_ce_fwd(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U,
+                           table_rows_N, row_mask_N, target_token_U, d2t_V)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits_NV, probs_UV, _, gate_U, table_rows_N, row_mask_N, _, _ = inputs
+        logits_NV, teacher_UV, lse_draft_U, _, gate_U, table_rows_N, row_mask_N, _, _ = inputs
         _, lse, mass, argmax, correct, accept = output
         ctx.mark_non_differentiable(*(x for x in output[1:] if x is not None))
-        ctx.save_for_backward(logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N, lse, mass)
+        ctx.save_for_backward(logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N,
+                              row_mask_N, lse, mass)
 
     @staticmethod
     def backward(ctx, grad_loss_N, *_):
         dlogits = _SoftCEBackward.apply(grad_loss_N, *ctx.saved_tensors)
-        return (dlogits,) + (None,) * 7
+        return (dlogits,) + (None,) * 8
 
 
 class _SoftCEBackward(torch.autograd.Function):
     @staticmethod
-    def forward(grad_N, logits_NV, probs_UV, gate_U, table_rows_N, row_mask_N, lse_N, mass_N):
+    def forward(grad_N, logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N,
+                lse_N, mass_N):
         # grad_N is often an expanded scalar (stride 0) from a sum.
-        return soft_ce_bwd(grad_N.contiguous(), logits_NV, probs_UV, gate_U, table_rows_N,
-                           row_mask_N, lse_N, mass_N)
+        return soft_ce_bwd(grad_N.contiguous(), logits_NV, teacher_UV, lse_draft_U, gate_U,
+                           table_rows_N, row_mask_N, lse_N, mass_N)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -315,16 +331,19 @@ class _SoftCEBackward(torch.autograd.Function):
 class SoftCE:
     """Per-row outputs of ``indexed_soft_ce``; every field is ``[N]``.
 
+    With ``p = exp(teacher_logits[t] - lse_draft[t])`` and
+    ``q = exp(teacher_logits[t] - lse_full[t])``:
+
     Fields:
-        loss: fp32, ``-sum_v probs[t, v] * log_softmax(z)_v`` on active rows, 0 on the
+        loss: fp32, ``-sum_v p_v * log_softmax(z)_v`` on active rows, 0 on the
             others; the only differentiable field.
         lse: fp32, ``logsumexp(z)`` on active rows, 0 on the others.
         argmax: int64, ``argmax(z)`` (ties to the lowest id) on in-rows rows, 0 outside
             ``row_mask``.
         correct: int8 (0/1), ``argmax + d2t[argmax] == target_token[t]`` on in-rows rows;
             None when no ``target_token``/``d2t`` were given.
-        accept: fp32, ``sum_v min(probs_on_draft[t, v], softmax(z)_v)`` on active rows,
-            0 on the others; no grad.
+        accept: fp32, ``sum_v min(q_v, softmax(z)_v)`` on active rows, 0 on the others;
+            no grad.
     """
 
     loss: torch.Tensor
@@ -336,8 +355,9 @@ class SoftCE:
 
 def indexed_soft_ce(
     logits_NV: torch.Tensor,
-    probs_UV: torch.Tensor,
-    probs_on_draft_UV: torch.Tensor,
+    teacher_logits_UV: torch.Tensor,
+    lse_draft_U: torch.Tensor,
+    lse_full_U: torch.Tensor,
     gate_U: torch.Tensor,
     table_rows_N: torch.Tensor,
     *,
@@ -347,24 +367,31 @@ def indexed_soft_ce(
 ) -> SoftCE:
     """Gated soft cross-entropy, argmax and acceptance of each row, table read by index.
 
-    fp32 math for bf16/fp16/fp32 logits; gradients (``dlogits``, in the logits' dtype)
-    flow through ``loss`` only, none to the table. fp64 logits or table run the PyTorch
-    twin ``indexed_soft_ce_naive`` instead (the exactness tests' dtype; no kernel).
+    The teacher is a compact ``TeacherTable``'s ``(logits, lse_draft, lse_full)``: its
+    probabilities are computed in registers from the teacher logits (fp32 math), never
+    stored. fp32 math for bf16/fp16/fp32 logits; gradients (``dlogits``, in the logits'
+    dtype) flow through ``loss`` only, none to the table. fp64 logits or an fp64 table
+    run the PyTorch twin ``indexed_soft_ce_naive`` instead (the exactness tests' dtype;
+    no kernel).
 
     Args:
         logits_NV: ``[N, Vd]`` draft logits of the step's rows.
-        probs_UV: fp32 ``[U, Vd]``, the teacher's renormalised draft-vocab probabilities.
-        probs_on_draft_UV: fp32 ``[U, Vd]``, the teacher's probabilities on the draft
-            vocab, not renormalised (acceptance).
+        teacher_logits_UV: ``[U, Vd]`` (bf16/fp16/fp32), the teacher's draft-vocab logits.
+        lse_draft_U: fp32 ``[U]``, their log-sum-exp: ``p = exp(teacher - lse_draft)``
+            is the renormalised teacher (the loss's target).
+        lse_full_U: fp32 ``[U]``, the log-sum-exp over the full target vocab:
+            ``q = exp(teacher - lse_full)`` is the teacher on the draft vocab, not
+            renormalised (acceptance).
         gate_U: bool ``[U]``, rows taught by a table row without gate have loss 0.
         table_rows_N: int64 ``[N]``, the table row of each logits row (in range).
         target_token_U: int64 ``[U]`` or None, the teacher's argmax target id.
         d2t_V: int64 ``[Vd]`` or None, draft id ``i`` -> target id ``i + d2t[i]``.
         row_mask_N: bool ``[N]`` or None; rows outside it are absent (all outputs 0).
     """
-    if torch.float64 in (logits_NV.dtype, probs_UV.dtype, probs_on_draft_UV.dtype):
+    tensors = (logits_NV, teacher_logits_UV, lse_draft_U, lse_full_U)
+    if torch.float64 in (x.dtype for x in tensors):
         return indexed_soft_ce_naive(
-            logits_NV, probs_UV, probs_on_draft_UV, gate_U, table_rows_N,
+            logits_NV, teacher_logits_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N,
             target_token_U=target_token_U, d2t_V=d2t_V, row_mask_N=row_mask_N,
         )
     if logits_NV.dtype not in LOGIT_DTYPES:
@@ -376,16 +403,17 @@ def indexed_soft_ce(
         )
     c = lambda x: None if x is None else x.contiguous()  # noqa: E731
     loss, lse, _, argmax, correct, accept = _SoftCEFunction.apply(
-        c(logits_NV), c(probs_UV), c(probs_on_draft_UV), c(gate_U), c(table_rows_N),
-        c(row_mask_N), c(target_token_U), c(d2t_V),
+        c(logits_NV), c(teacher_logits_UV), c(lse_draft_U), c(lse_full_U), c(gate_U),
+        c(table_rows_N), c(row_mask_N), c(target_token_U), c(d2t_V),
     )
     return SoftCE(loss=loss, lse=lse, argmax=argmax, correct=correct, accept=accept)
 
 
 def indexed_soft_ce_naive(
     logits_NV: torch.Tensor,
-    probs_UV: torch.Tensor,
-    probs_on_draft_UV: torch.Tensor,
+    teacher_logits_UV: torch.Tensor,
+    lse_draft_U: torch.Tensor,
+    lse_full_U: torch.Tensor,
     gate_U: torch.Tensor,
     table_rows_N: torch.Tensor,
     *,
@@ -394,16 +422,21 @@ def indexed_soft_ce_naive(
     row_mask_N: torch.Tensor | None = None,
 ) -> SoftCE:
     """PyTorch twin of ``indexed_soft_ce`` (same arguments and outputs), dense: it
-    gathers the ``[N, Vd]`` table rows and keeps ``[N, Vd]`` log-probabilities."""
+    gathers the ``[N, Vd]`` teacher rows, computes their probabilities in the math dtype
+    of the log-sum-exps, and keeps ``[N, Vd]`` log-probabilities."""
     z = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
     in_rows = torch.ones_like(gate_U[table_rows_N]) if row_mask_N is None else row_mask_N
     active = gate_U[table_rows_N] & in_rows
+    y = teacher_logits_UV[table_rows_N].to(  # [N, Vd]
+        torch.promote_types(teacher_logits_UV.dtype, lse_draft_U.dtype))
     logp = F.log_softmax(z, dim=-1)
-    loss = torch.where(active, -(probs_UV[table_rows_N] * logp).sum(dim=-1), 0.0)
+    p = torch.exp(y - lse_draft_U[table_rows_N, None])
+    loss = torch.where(active, -(p * logp).sum(dim=-1), 0.0)
     with torch.no_grad():
         lse = torch.where(active, torch.logsumexp(z, dim=-1), 0.0)
         argmax = torch.where(in_rows, logits_NV.argmax(dim=-1), 0)
-        accept = torch.minimum(probs_on_draft_UV[table_rows_N], logp.exp()).sum(dim=-1)
+        q = torch.exp(y - lse_full_U[table_rows_N, None])
+        accept = torch.minimum(q, logp.exp()).sum(dim=-1)
         accept = torch.where(active, accept, 0.0)
         correct = None
         if target_token_U is not None:
