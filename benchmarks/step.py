@@ -63,6 +63,11 @@ class BenchArgs:
     """Write the results here as JSON."""
     profile: str | None = None
     """Profile one step of each mode after timing and write the kernel tables here."""
+    isolate: bool = False
+    """Run every (S, pattern, density, mode) in its own process, so that every peak
+    starts from a clean GPU (a process keeps about 1.75 GiB of SpecForge's weights after
+    its mode, which shows in the next modes' peaks). Slower: each process compiles its
+    kernels again."""
     diagnose: bool = False
     """Also report per mode: host ms (time for the Python of one step to return, before
     the GPU finishes), GPU busy ms (sum of kernel times in a profiled step), kernel
@@ -240,7 +245,51 @@ def profile_step(step, path: str, title: str) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
+def isolated(args: BenchArgs) -> list[dict]:
+    """``measure`` of each (S, pattern, density, mode) in a fresh Python process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = []
+    for S in args.seq_lens:
+        for pattern in args.patterns:
+            for density in args.densities:
+                for mode in args.modes:
+                    one = asdict(args) | dict(seq_lens=[S], patterns=[pattern], densities=[density],
+                                              modes=[mode], json=None, isolate=False)
+                    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import step; "
+                            "print('ROWS=' + json.dumps(step.measure(step.BenchArgs(**json.loads(sys.argv[2])))[1]))")
+                    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent),
+                                          json.dumps(one)], capture_output=True, text=True)
+                    found = [line for line in out.stdout.splitlines() if line.startswith("ROWS=")]
+                    if out.returncode or not found:
+                        raise RuntimeError(f"S={S} {pattern} {density} {mode} failed:\n{out.stderr[-3000:]}")
+                    rows += json.loads(found[-1][len("ROWS="):])
+                    print(rows[-1], flush=True)
+                    write_json(args, matmul_tflops(), rows)
+    return rows
+
+
+def write_json(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
+    if args.json:  # after every row: a killed run keeps what it measured
+        with open(args.json, "w") as f:
+            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
+                           compile_elementwise=draft_module.COMPILE_ELEMENTWISE,
+                           device=torch.cuda.get_device_name(), torch=torch.__version__), f, indent=1)
+
+
 def main(args: BenchArgs) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.isolate:
+        ceiling, rows = matmul_tflops(), isolated(args)
+    else:
+        ceiling, rows = measure(args)
+    report(args, ceiling, rows)
+
+
+def measure(args: BenchArgs) -> tuple[float, list[dict]]:
+    """Time every configuration in this process: (matmul TFLOP/s, result rows)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     ceiling = matmul_tflops()
     cfg = draft_config(args)
@@ -277,12 +326,12 @@ def main(args: BenchArgs) -> None:
                     rows.append(dict(S=S, mode=mode, density=density, pattern=pattern,
                                      median_ms=round(ms, 2), peak_gib=round(gib, 2), **extra))
                     print(rows[-1], flush=True)
-                    if args.json:  # after every row: a killed run keeps what it measured
-                        with open(args.json, "w") as f:
-                            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
-                                           compile_elementwise=draft_module.COMPILE_ELEMENTWISE,
-                                           device=torch.cuda.get_device_name(),
-                                           torch=torch.__version__), f, indent=1)
+                    write_json(args, ceiling, rows)
+    return ceiling, rows
+
+
+def report(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
+    """The table, last."""
     key = lambda r: (r["S"], r["density"], r["pattern"])  # noqa: E731
     base = {key(r): r["median_ms"] for r in rows if r["mode"] == "specforge"}
     print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s")
