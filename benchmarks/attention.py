@@ -12,7 +12,6 @@ convention); the diagonal keys are O(rows). ``--densities 1`` is every row.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +19,7 @@ import torch
 import tyro
 
 from eagle3fn.ttt import packed_flex_attention, packed_keys
+from timing import cuda_timed
 
 
 @dataclass(kw_only=True)
@@ -62,17 +62,7 @@ def main(args: AttnArgs) -> None:
                     own = None if j == 0 else (diag[0][:j], diag[1][:j])
                     out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S)
                     out.backward(torch.ones_like(out))
-                for _ in range(3):
-                    step()
-                times = []
-                for _ in range(args.iters):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    step()
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b))
-                ms = statistics.median(times)
+                ms, _, _ = cuda_timed(step, warmup=3, iters=args.iters)
                 flops = 3.5 * 2 * 2 * args.heads * args.head_dim * float((rows + 1).sum())
                 results.append((S, density, j, ms, flops / ms / 1e9))
                 print(results[-1], flush=True)

@@ -14,7 +14,6 @@ warm-ups (CUDA events); peak = extra memory above the inputs.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ import tyro
 from eagle3fn.draft import rms_norm
 from eagle3fn.loss import head_step_terms, step_terms
 from eagle3fn.shapes import TeacherTable
+from timing import cuda_timed
 
 
 @dataclass(kw_only=True)
@@ -37,20 +37,8 @@ class Args:
 
 
 def measure(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms, peak, base = cuda_timed(fn, warmup, iters)
+    return ms, (peak - base) / 2**30
 
 
 def main(args: Args) -> None:

@@ -29,6 +29,7 @@ from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
 from eagle3fn.ttt import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
+from timing import cuda_timed
 
 Mode = Literal["specforge", "none", "loss", "backbone", "auto", "loss-mesh"]
 
@@ -188,19 +189,8 @@ def specforge_step(args, cfg, params, features, loss_mask, d2t, t2d):
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    ms, peak, _ = cuda_timed(step, warmup, iters)
+    return ms, peak / 2**30
 
 
 def diagnose(step, iters: int) -> dict:
@@ -245,7 +235,7 @@ def profile_step(step, path: str, title: str) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
-def isolated(args: BenchArgs) -> list[dict]:
+def isolated(args: BenchArgs, ceiling: float) -> list[dict]:
     """``measure`` of each (S, pattern, density, mode) in a fresh Python process."""
     import subprocess
     import sys
@@ -267,7 +257,7 @@ def isolated(args: BenchArgs) -> list[dict]:
                         raise RuntimeError(f"S={S} {pattern} {density} {mode} failed:\n{out.stderr[-3000:]}")
                     rows += json.loads(found[-1][len("ROWS="):])
                     print(rows[-1], flush=True)
-                    write_json(args, matmul_tflops(), rows)
+                    write_json(args, ceiling, rows)
     return rows
 
 
@@ -282,7 +272,8 @@ def write_json(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
 def main(args: BenchArgs) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.isolate:
-        ceiling, rows = matmul_tflops(), isolated(args)
+        ceiling = matmul_tflops()
+        rows = isolated(args, ceiling)
     else:
         ceiling, rows = measure(args)
     report(args, ceiling, rows)
