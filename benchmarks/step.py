@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +70,11 @@ class BenchArgs:
     starts from a clean GPU (a process keeps about 1.75 GiB of SpecForge's weights after
     its mode, which shows in the next modes' peaks). Slower: each process compiles its
     kernels again."""
+    optimizer: bool = False
+    """eagle3fn modes: time a training step as ``eagle3fn train`` runs it on CUDA: fp32
+    master weights, bf16 compute copies (gradients flow back through the cast),
+    fp32 gradients and the AdamW step included; the peak then holds the optimizer
+    state (compare ``eagle3fn plan --optimizer``)."""
     diagnose: bool = False
     """Also report per mode: host ms (time for the Python of one step to return, before
     the GPU finishes), GPU busy ms (sum of kernel times in a profiled step), kernel
@@ -118,6 +124,8 @@ def draft_config(args: BenchArgs) -> DraftConfig:
 
 def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
     config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex")
+    if args.optimizer:
+        return training_step(args, config, params, features, loss_mask, d2t, t2d)
 
     def step():
         rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
@@ -125,6 +133,24 @@ def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
         out.objective.backward()
         for p in params.values():
             p.grad = None
+        return out
+    return step
+
+
+def training_step(args, config, params, features, loss_mask, d2t, t2d):
+    """One optimizer step as ``train.loop`` takes it on CUDA (fp32 masters, bf16 copies,
+    AdamW with its defaults there)."""
+    masters = init_params(config.draft, seed=0, device="cuda")  # fp32, as the loop's
+    trainable = [p for p in masters.values() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def step():
+        rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
+        out = ttt({n: p.to(torch.bfloat16) for n, p in masters.items()}, features, rm, config,
+                  d2t=d2t, t2d=t2d)
+        out.objective.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return out
     return step
 
@@ -266,10 +292,15 @@ def write_json(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
         with open(args.json, "w") as f:
             json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
                            compile_elementwise=draft_module.COMPILE_ELEMENTWISE,
-                           device=torch.cuda.get_device_name(), torch=torch.__version__), f, indent=1)
+                           device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           # gVisor reports kernel 4.4.0; its kernel launches cost far more host time
+                           kernel=platform.release()), f, indent=1)
 
 
 def main(args: BenchArgs) -> None:
+    if args.optimizer and {"specforge", "loss-mesh"} & set(args.modes):
+        raise SystemExit("--optimizer times eagle3fn's training step: use it with the modes "
+                         "none / loss / backbone / auto only")
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.isolate:
         ceiling = matmul_tflops()
@@ -288,8 +319,9 @@ def measure(args: BenchArgs) -> tuple[float, list[dict]]:
     for S in args.seq_lens:
         # detach: leaves on the GPU (a .to() of a CPU leaf would send every gradient
         # back to the host in backward).
-        params = {n: p.detach().to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
-                  for n, p in init_params(cfg, seed=0).items()}
+        params = None if args.optimizer else {  # the training step makes its own masters
+            n: p.detach().to("cuda", torch.bfloat16).requires_grad_(p.requires_grad)
+            for n, p in init_params(cfg, seed=0).items()}
         for pattern in args.patterns:
             for density in args.densities:
                 features, loss_mask, d2t, t2d = make_inputs(args, S, density, pattern)
@@ -325,7 +357,7 @@ def report(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
     """The table, last."""
     key = lambda r: (r["S"], r["density"], r["pattern"])  # noqa: E731
     base = {key(r): r["median_ms"] for r in rows if r["mode"] == "specforge"}
-    print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s")
+    print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s; kernel {platform.release()}")
     extra = ("host_ms", "busy_ms", "kernels", "syncs") if args.diagnose else ()
     print(f"{'S':>7} {'density':>8} {'pattern':>10} {'mode':>10} {'median ms':>10} {'peak GiB':>9} "
           f"{'vs SpecForge':>13}" + "".join(f" {e:>8}" for e in extra))

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import eagle3fn.draft as draft_module
 import eagle3fn.loss as loss_module
 import eagle3fn.plan as plan_module
+import eagle3fn.kernels.merge as merge_kernel
 import eagle3fn.ttt as ttt_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.plan import (ALLOCATOR_OVERHEAD_BYTES, GiB, PlanArgs, estimate, format_plan, plan,
@@ -61,7 +62,7 @@ def cpu_compiled() -> dict:
     return {(draft_module, "rms_norm"): compile_(draft_module.rms_norm.eager),
             (draft_module, "swiglu"): compile_(draft_module.swiglu.eager),
             (ttt_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
-            (ttt_module, "merge_diagonal"): compile_(ttt_module.merge_diagonal.eager)}
+            (ttt_module, "merge_diagonal"): merge_kernel.merge_diagonal}
 
 
 def draft_config(args: PlanArgs) -> DraftConfig:

@@ -446,3 +446,48 @@ def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     # Windows one block too long (and blind to sample starts) list other blocks.
     wrong = packed_block_mask(start * 0, last + FLEX_BLOCK, rows.numel(), Lp, mask_mod)
     assert lists(wrong, active)[1] != want_full
+
+
+def _listed(num, idx):
+    """{(row, column)} of a BlockMask table pair ``[1, 1, R]``, ``[1, 1, R, W]``."""
+    n, idx = num[0, 0], idx[0, 0]
+    pairs = [(r, int(idx[r, t])) for r in range(n.shape[0]) for t in range(int(n[r]))]
+    assert len(set(pairs)) == len(pairs), "a column listed twice"
+    return set(pairs)
+
+
+@pytest.mark.parametrize("pattern", ["all", "tail", "scattered"])
+@pytest.mark.parametrize("C,lengths", [(150, (150, 100, 128, 1)), (300, (300, 257, 129, 256)),
+                                       (700, (700,)), (2000, (2000,))])
+def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, pattern):
+    """The key-major tables FlexAttention's backward reads (``_transposed_tables``: from
+    ranges by binary search) list exactly the (query block, key block) pairs of the
+    query-major tables, partial and full apart, as torch's own dense transposition of
+    them does, and they are what ``packed_block_mask`` hands FlexAttention. Negative
+    control: the same ranges without skipping padding query blocks list more pairs."""
+    from torch.nn.attention.flex_attention import _transpose_ordered
+
+    from eagle3fn.ttt import FLEX_BLOCK, _transposed_tables, packed_block_mask, packed_query_len
+
+    rows = _rows_of(pattern, lengths, C)
+    Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
+    qflat = torch.cat([rows, rows[-1:].expand(packed_query_len(rows.numel(), Lp) - rows.numel())])
+    start = qflat // C * C
+    last = torch.minimum(qflat, start + torch.tensor(lengths)[qflat // C] - 1)
+    bm = packed_block_mask(start, last, rows.numel(), Lp, None)
+    M, N = start.numel() // FLEX_BLOCK, rows.numel()
+    m = torch.arange(M)
+    first, final = (m * FLEX_BLOCK).clamp(max=N - 1), (m * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=N - 1)
+    lo = start[first] // FLEX_BLOCK
+    ranges = (lo, torch.maximum(last[final] // FLEX_BLOCK, lo), (start[final] + FLEX_BLOCK - 1) // FLEX_BLOCK,
+              (last[first] + 1) // FLEX_BLOCK - 1)
+    ours = _transposed_tables(*ranges, -(-N // FLEX_BLOCK), Lp // FLEX_BLOCK)
+    for kind, (num, idx) in (("", ours[:2]), ("full_", ours[2:])):
+        by_query = _listed(getattr(bm, f"{kind}kv_num_blocks"), getattr(bm, f"{kind}kv_indices"))
+        assert _listed(num, idx) == {(c, m) for m, c in by_query}, kind
+        assert _listed(num, idx) == _listed(*_transpose_ordered(getattr(bm, f"{kind}kv_num_blocks"),
+                                                                getattr(bm, f"{kind}kv_indices"))), kind
+        assert _listed(getattr(bm, f"{kind}q_num_blocks"), getattr(bm, f"{kind}q_indices")) == _listed(num, idx)
+    wrong = _transposed_tables(*ranges, M, Lp // FLEX_BLOCK)
+    differs = _listed(*wrong[:2]) | _listed(*wrong[2:]) != _listed(*ours[:2]) | _listed(*ours[2:])
+    assert differs == (M > -(-N // FLEX_BLOCK)), "padding query blocks must be what differs"

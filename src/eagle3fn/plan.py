@@ -21,13 +21,14 @@ is built, in the last layer step and the last head of the forward, in the heads'
 backward (recorded last, they run first) and in the layer's backward of each step
 (``Memory.phases``).
 
-"Fused" is the CUDA path: ``draft.fused_on_cuda`` compiles RMSNorm, RoPE, SwiGLU and
-``ttt.merge_diagonal`` with inductor, whose partitioner keeps only the inputs the
-backward needs (the fp32 intermediates are recomputed in registers). The plan assumes
-it when ``draft.COMPILE_ELEMENTWISE`` is on (the default; ``EAGLE3FN_COMPILE=0``
-turns both off). The tests (tests/test_plan.py) run the real ``ttt`` on CPU under
-``saved_tensors_hooks``, eager and with those four functions compiled by CPU inductor,
-and compare with ``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the
+"Fused" is the CUDA path: ``draft.fused_on_cuda`` compiles RMSNorm, RoPE and SwiGLU
+with inductor, whose partitioner keeps only the inputs the backward needs (the fp32
+intermediates are recomputed in registers), and ``ttt.merge_diagonal`` runs its
+Triton kernel (``kernels.merge``). The plan assumes it when
+``draft.COMPILE_ELEMENTWISE`` is on (the default; ``EAGLE3FN_COMPILE=0`` turns both
+off). The tests (tests/test_plan.py) run the real ``ttt`` on CPU under
+``saved_tensors_hooks``, eager and with those three functions compiled by CPU
+inductor and the merge kernel in the Triton interpreter, and compare with ``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the
 H200) keeps the same tensors as the CPU one, and the peak, rest on the GPU constants
 below and on measurements.
 
@@ -564,18 +565,19 @@ def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool) -> float:
     the one it keeps itself); ``o`` is a view of the FlexAttention output, counted
     there.
 
-    Fused (inductor; the tests check this on CPU inductor): its inputs q ``[m, h, d]``
-    and the diagonal keys and values ``[j, m, g, d]``, and the fp32 diagonal scores
-    ``[j, m, h]``. Eager, all fp32: q and the keys and values (copies in bf16, the
-    tensors themselves in fp32), o (a copy in bf16), the scores, their maximum and
-    exponentials, the numerator ``[m, h, d]`` and the denominator ``[m, h]``."""
+    Fused (the Triton kernel of ``kernels.merge``; the tests run it in the Triton
+    interpreter): q ``[m, h, d]``, the diagonal keys and values ``[j, m, g, d]`` and
+    the merged fp32 log-sum-exp ``[m, h]``. Eager, all fp32: q and the keys and
+    values (copies in bf16, the tensors themselves in fp32), o (a copy in bf16), the
+    scores ``[j, m, h]``, their maximum and exponentials, the numerator ``[m, h, d]``
+    and the denominator ``[m, h]``."""
     b, h, g, d = args.dtype_bytes, args.heads, args.kv_heads, args.d
     if j == 0:
         return 0.0
     P, G, sh = m * h * d, m * g * d, m * h
     lse = _query_len(args, m) * h * 4
     if fused:
-        return lse + P * b + 2 * j * G * b + j * sh * 4 + 4
+        return lse + P * b + 2 * j * G * b + sh * 4
     return lse + P * 4 * (2 if b == 4 else 3) + 2 * j * G * 4 + (2 * j + 3) * sh * 4
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagle3fn.draft import fused_on_cuda
 from eagle3fn.shapes import TeacherTable
 
 DEFAULT_CHUNK_SIZE = 32768
@@ -133,13 +134,22 @@ def teacher_table_from_hidden(
         if bounds[c + 1] > bounds[c]:
             logits[:, bounds[c]:bounds[c + 1]] = z.index_select(
                 1, draft_ids[bounds[c]:bounds[c + 1]] - start)
-        z = z.to(dtype)
-        chunk_arg = z.argmax(dim=-1)
-        chunk_val = z.gather(1, chunk_arg[:, None]).squeeze(1)
-        take = chunk_val > run_max
-        best_id = torch.where(take, chunk_arg + start, best_id)
-        new_max = torch.maximum(run_max, chunk_val)
-        run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
-        run_max = new_max
+        run_max, run_sum, best_id = _chunk_update(z, run_max, run_sum, best_id, start)
     lse_draft = _draft_lse(logits, dtype, U * chunk_size // max(Vd, 1))
     return _table(logits, lse_draft, run_max + torch.log(run_sum), best_id, t2d)
+
+
+@fused_on_cuda
+def _chunk_update(z_UC: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tensor,
+                  best_id: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+    """One vocab chunk ``z [U, chunk]`` (target ids ``start..``) into the running max,
+    sum of exponentials and argmax ``[U]`` (math in ``run_max``'s dtype; a strictly
+    greater maximum wins, so ties keep the lowest id). Fused into one or two kernels on
+    CUDA (``draft.fused_on_cuda``)."""
+    z = z_UC.to(run_max.dtype)
+    chunk_arg = z.argmax(dim=-1)
+    chunk_val = z.gather(1, chunk_arg[:, None]).squeeze(1)
+    best_id = torch.where(chunk_val > run_max, chunk_arg + start, best_id)
+    new_max = torch.maximum(run_max, chunk_val)
+    run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
+    return new_max, run_sum, best_id

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from eagle3fn.align import shift_left
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, fused_on_cuda, head_logits, rope_cos_sin
+import eagle3fn.draft as draft_module
+from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, head_logits, rope_cos_sin
+from eagle3fn.kernels import merge as merge_kernel
 from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE, teacher_table_from_hidden, teacher_table_from_logits
@@ -181,6 +183,41 @@ def packed_query_len(num_queries: int, key_len: int) -> int:
     return min(key_len, max(-(-num_queries // unit), 1) * unit)
 
 
+def _range_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
+                  active: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """BlockMask tables of rows listing ranges of columns: row ``r`` lists the full
+    columns ``full_lo[r]..full_hi[r]`` (when not empty) and, as partial, the rest of
+    ``lo[r]..hi[r]`` (which contains them), in increasing order; rows with ``active``
+    0 list nothing. Returns int32 ``(num_partial [1, 1, R], partial [1, 1, R, width],
+    num_full, full)`` (entries past a row's count are clamped columns, never read)."""
+    num_full = (full_hi - full_lo + 1).clamp(min=0) * active
+    has_full = num_full > 0
+    below = torch.where(has_full, full_lo - lo, 0)  # partial columns before the full run
+    above_start = torch.where(has_full, full_hi + 1, lo)
+    num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1).clamp(min=0) * active
+    i = torch.arange(width, device=lo.device)[None]
+    partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
+    as_i32 = lambda x: x.clamp(0, width - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
+    return (num_partial.to(torch.int32)[None, None], as_i32(partial),
+            num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i))
+
+
+def _transposed_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
+                       num_active: int, num_columns: int) -> tuple[torch.Tensor, ...]:
+    """The column-major tables of ``_range_tables``' lists, for the backward pass: for
+    each column ``c < num_columns``, the rows ``r < num_active`` listing it (full and
+    partial). ``lo, hi, full_lo, full_hi`` must be non-decreasing in ``r`` (windows of
+    packed queries are), so each such row set is a range found by binary search:
+    ``lo[r] <= c <= hi[r]`` for ``r`` in ``[b, a)``, full for ``r`` in ``[bf, af)``,
+    inside it. No dense mask, no sort."""
+    c = torch.arange(num_columns, device=lo.device)
+    a = torch.searchsorted(lo, c, right=True).clamp(max=num_active)
+    b = torch.searchsorted(hi, c)
+    af = torch.searchsorted(full_lo, c, right=True).clamp(max=num_active)
+    bf = torch.searchsorted(full_hi, c)
+    return _range_tables(b, a - 1, bf, af - 1, (a > b).long(), lo.shape[0])
+
+
 def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int, key_len: int,
                       mask_mod):
     """FlexAttention BlockMask for ``Qp = len(start_Q)`` packed queries over ``key_len``
@@ -188,52 +225,52 @@ def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: 
     ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query block: full blocks
     = key blocks inside every query's window, partial blocks (the ``mask_mod``
     applies) = the rest of the union of the windows; blocks holding only padding
-    queries (``i >= num_queries``) list nothing and are skipped."""
+    queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
+    of the backward come from the same ranges (``_transposed_tables``), not from a
+    dense mask and a sort."""
     from torch.nn.attention.flex_attention import BlockMask
 
     M, NB = start_Q.shape[0] // FLEX_BLOCK, key_len // FLEX_BLOCK
     m = torch.arange(M, device=start_Q.device)
     first = (m * FLEX_BLOCK).clamp(max=max(num_queries - 1, 0))
     final = (m * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=max(num_queries - 1, 0))
-    active = (m * FLEX_BLOCK < num_queries).int()
     lo = start_Q[first] // FLEX_BLOCK
     hi = torch.maximum(last_Q[final] // FLEX_BLOCK, lo)
     full_lo = (start_Q[final] + FLEX_BLOCK - 1) // FLEX_BLOCK
     full_hi = (last_Q[first] + 1) // FLEX_BLOCK - 1
-    num_full = (full_hi - full_lo + 1).clamp(min=0) * active
-    has_full = num_full > 0
-    below = torch.where(has_full, full_lo - lo, 0)  # partial blocks before the full run
-    above_start = torch.where(has_full, full_hi + 1, lo)
-    num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1) * active
-    i = torch.arange(NB, device=start_Q.device)[None]
-    partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
-    as_i32 = lambda x: x.clamp(0, NB - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
-    return BlockMask.from_kv_blocks(
-        num_partial.to(torch.int32)[None, None], as_i32(partial),
-        num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i),
-        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(start_Q.shape[0], key_len),
-    )
+    num_active = -(-num_queries // FLEX_BLOCK)
+    kv = _range_tables(lo, hi, full_lo, full_hi, (m < num_active).long(), NB)
+    q = _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
+    try:
+        return BlockMask(seq_lengths=(start_Q.shape[0], key_len), kv_num_blocks=kv[0], kv_indices=kv[1],
+                         full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
+                         q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
+                         BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
+    except TypeError:  # a torch whose BlockMask takes other arguments: let it transpose
+        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                        seq_lengths=(start_Q.shape[0], key_len))
 
 
-@fused_on_cuda
+def use_merge_kernel(q_NhD: torch.Tensor) -> bool:
+    """Whether ``merge_diagonal`` runs the Triton kernel for these queries."""
+    return (draft_module.COMPILE_ELEMENTWISE and q_NhD.is_cuda
+            and q_NhD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(q_NhD))
+
+
 def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor,
                    k_jNgd: torch.Tensor, v_jNgd: torch.Tensor, scale: float) -> torch.Tensor:
     """Add the diagonal keys of steps ``1..j`` to causal attention outputs: ``o`` and
     ``lse`` (natural log-sum-exp of the scaled scores) over the step-0 keys, merged
     with each row's own keys ``k_jNgd, v_jNgd`` by log-sum-exp (fp32 math, output in
-    ``q``'s dtype; GQA by broadcasting, nothing is repeated). ``[N, h, d]``."""
-    N, h, d = q_NhD.shape
-    g = k_jNgd.shape[2]
-    math_dtype = torch.promote_types(q_NhD.dtype, torch.float32)
-    q = q_NhD.to(math_dtype).view(N, g, h // g, d)
-    k = k_jNgd.to(math_dtype)[:, :, :, None]  # [j, N, g, 1, d]
-    s = (q[None] * k).sum(-1) * scale  # [j, N, g, rep]
-    lse = lse_Nh.to(math_dtype).view(N, g, h // g)
-    top = torch.maximum(lse, s.amax(0))
-    w0, w = torch.exp(lse - top), torch.exp(s - top)
-    out = w0[..., None] * o_NhD.to(math_dtype).view(N, g, h // g, d)
-    out = out + (w[..., None] * v_jNgd.to(math_dtype)[:, :, :, None]).sum(0)
-    return (out / (w0 + w.sum(0))[..., None]).view(N, h, d).to(q_NhD.dtype)
+    ``q``'s dtype; GQA by broadcasting, nothing is repeated). ``[N, h, d]``.
+
+    On CUDA (bf16/fp16/fp32, unless ``EAGLE3FN_COMPILE=0``) one Triton kernel each way
+    (``kernels.merge``: nothing ``[N, h, j]``-sized is stored); elsewhere its PyTorch
+    twin ``merge_diagonal_naive``."""
+    if use_merge_kernel(q_NhD):
+        return merge_kernel.merge_diagonal(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale)
+    return merge_kernel.merge_diagonal_naive(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale)
 
 
 def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
@@ -349,8 +386,8 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: i
         cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype)
         return cos[:, None], sin[:, None]
 
-    def take(x, idx):  # rows idx of x (None: all)
-        return x if idx is None else x[idx]
+    def take(x, idx):  # rows idx of x (None: all); index_select's backward is one
+        return x if idx is None else x.index_select(0, idx)  # index_add, not a sort
 
     def within(outer, inner):  # positions of the sorted rows inner inside sorted outer
         if inner is None:
@@ -386,7 +423,7 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: i
         k = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
         v = heads(attn.v_proj(u), cfg.num_kv_heads)
         diagonal = (k[None], v[None]) if diagonal is None else tuple(
-            torch.cat((x if at is None else x[:, at], y[None]))
+            torch.cat((x if at is None else x.index_select(1, at), y[None]))
             for x, y in zip(diagonal, (k, v)))
         out = layer_rest(q, g, rj, diagonal)
         outs.append(out)
@@ -477,11 +514,11 @@ class _Unrolled(torch.nn.Module):
             if config.trim != "none" and config.fused_head:
                 head = functools.partial(head_logits, cfg=self.draft.cfg)
                 terms.append(head_step_terms(
-                    flat[at[j]], head, self.draft.head_weights(), table,
+                    flat.index_select(0, at[j]), head, self.draft.head_weights(), table,
                     rowmap.table_rows[j], d2t, chunk_rows=config.head_chunk_rows, **kwargs))
                 continue
             if config.trim != "none":
-                logits = self.draft.head(flat[at[j]])  # [n_j, Vd]
+                logits = self.draft.head(flat.index_select(0, at[j]))  # [n_j, Vd]
                 table_rows, row_mask = rowmap.table_rows[j], None
             else:
                 logits = self.draft.head(flat)  # [B*C, Vd]

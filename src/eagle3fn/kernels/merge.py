@@ -1,0 +1,237 @@
+"""The diagonal-key merge of TTT attention (SPEC section 3), forward and backward.
+
+Legend: N query rows, h heads, g kv heads (``rep = h / g`` heads share one), d head
+dim, j diagonal steps.
+
+At step ``j >= 1`` a row's query sees the causal step-0 keys and its own keys of
+steps ``1..j``. FlexAttention does the first part and returns ``o`` and the natural
+log-sum-exp ``lse`` of its scaled scores; this kernel adds the diagonal keys by
+log-sum-exp: with ``s_i = scale * q . k_i``,
+
+    out = (exp(lse) o + sum_i exp(s_i) v_i) / (exp(lse) + sum_i exp(s_i))
+
+computed with a running maximum (``M`` = the merged log-sum-exp is kept for
+backward). Backward, with ``P0 = exp(lse - M)``, ``P_i = exp(s_i - M)`` and
+``D = G . out`` for the output gradient ``G``:
+
+    do = P0 G,  dlse = P0 (G . o - D),  ds_i = P_i (G . v_i - D),
+    dq = scale sum_i ds_i k_i,  dk_i = scale sum_rep ds_i q,  dv_i = sum_rep P_i G.
+
+One program per (row, kv head): the ``rep`` query heads of a group share their keys,
+so GQA costs no copy. All maths in fp32 registers; nothing ``[N, h, j]``-sized is
+written in either direction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from eagle3fn.kernels.soft_ce import _to_output
+
+NUM_WARPS = 4
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every kernel output comes from here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _tile(ptr, n, heads, cols, s_n, s_h, mask):
+    """fp32 ``[REP, D]`` tile of a ``[N, h, d]`` tensor (last stride 1)."""
+    return tl.load(ptr + n * s_n + heads[:, None] * s_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _merge_fwd_kernel(o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, out_ptr, m_ptr,
+                      s_on, s_oh, s_ln, s_lh, s_qn, s_qh,
+                      N, J, scale,
+                      G: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                      REP_P: tl.constexpr, D_P: tl.constexpr):
+    pid = tl.program_id(0)
+    n = (pid // G).to(tl.int64)
+    gi = pid % G
+    r = tl.arange(0, REP_P)
+    cols = tl.arange(0, D_P)
+    rmask, cmask = r < REP, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    heads = gi * REP + r
+    q = _tile(q_ptr, n, heads, cols, s_qn, s_qh, mask)
+    acc = _tile(o_ptr, n, heads, cols, s_on, s_oh, mask)
+    top = tl.load(lse_ptr + n * s_ln + heads * s_lh, mask=rmask, other=0.0).to(tl.float32)
+    denom = tl.full([REP_P], 1.0, tl.float32)
+    for i in range(J):
+        base = ((i * N + n) * G + gi) * D
+        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.sum(q * k[None, :], 1) * scale
+        new = tl.maximum(top, s)
+        alpha = tl.exp(top - new)
+        p = tl.exp(s - new)
+        acc = acc * alpha[:, None] + p[:, None] * v[None, :]
+        denom = denom * alpha + p
+        top = new
+    H = G * REP
+    out = acc / denom[:, None]
+    tl.store(out_ptr + (n * H + heads[:, None]) * D + cols[None, :],
+             _to_output(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + n * H + heads, top + tl.log(denom), mask=rmask)
+
+
+@triton.jit
+def _merge_bwd_kernel(g_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, m_ptr,
+                      do_ptr, dlse_ptr, dq_ptr, dk_ptr, dv_ptr,
+                      s_on, s_oh, s_ln, s_lh, s_qn, s_qh,
+                      N, J, scale,
+                      G: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                      REP_P: tl.constexpr, D_P: tl.constexpr):
+    pid = tl.program_id(0)
+    n = (pid // G).to(tl.int64)
+    gi = pid % G
+    r = tl.arange(0, REP_P)
+    cols = tl.arange(0, D_P)
+    rmask, cmask = r < REP, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    heads = gi * REP + r
+    H = G * REP
+    dense = (n * H + heads[:, None]) * D + cols[None, :]  # [N, h, d] contiguous
+    grad = tl.load(g_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    q = _tile(q_ptr, n, heads, cols, s_qn, s_qh, mask)
+    o = _tile(o_ptr, n, heads, cols, s_on, s_oh, mask)
+    lse = tl.load(lse_ptr + n * s_ln + heads * s_lh, mask=rmask, other=0.0).to(tl.float32)
+    merged = tl.load(m_ptr + n * H + heads, mask=rmask, other=0.0)
+    p0 = tl.where(rmask, tl.exp(lse - merged), 0.0)
+    out = p0[:, None] * o  # the fp32 output, recomputed
+    for i in range(J):
+        base = ((i * N + n) * G + gi) * D
+        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        p = tl.where(rmask, tl.exp(tl.sum(q * k[None, :], 1) * scale - merged), 0.0)
+        out += p[:, None] * v[None, :]
+    dot_out = tl.sum(grad * out, 1)
+    tl.store(do_ptr + dense, _to_output(p0[:, None] * grad, do_ptr.dtype.element_ty), mask=mask)
+    tl.store(dlse_ptr + n * H + heads, p0 * (tl.sum(grad * o, 1) - dot_out), mask=rmask)
+    dq = tl.zeros([REP_P, D_P], tl.float32)
+    for i in range(J):
+        base = ((i * N + n) * G + gi) * D
+        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        p = tl.where(rmask, tl.exp(tl.sum(q * k[None, :], 1) * scale - merged), 0.0)
+        ds = p * (tl.sum(grad * v[None, :], 1) - dot_out) * scale
+        dq += ds[:, None] * k[None, :]
+        tl.store(dk_ptr + base + cols, _to_output(tl.sum(ds[:, None] * q, 0), dk_ptr.dtype.element_ty),
+                 mask=cmask)
+        tl.store(dv_ptr + base + cols, _to_output(tl.sum(p[:, None] * grad, 0), dv_ptr.dtype.element_ty),
+                 mask=cmask)
+    tl.store(dq_ptr + dense, _to_output(dq, dq_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launchers ---------------------------------------------------------------------
+
+
+def _check(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd) -> tuple[int, int, int, int, int]:
+    N, h, d = q_NhD.shape
+    j, _, g, _ = k_jNgd.shape
+    assert o_NhD.shape == q_NhD.shape and lse_Nh.shape == (N, h) and lse_Nh.dtype == torch.float32
+    assert k_jNgd.shape == v_jNgd.shape == (j, N, g, d) and h % g == 0
+    assert o_NhD.stride(-1) == 1 and q_NhD.stride(-1) == 1
+    assert k_jNgd.is_contiguous() and v_jNgd.is_contiguous()
+    return N, h, d, j, g
+
+
+def _meta(h: int, g: int, d: int) -> dict:
+    return dict(G=g, REP=h // g, D=d, REP_P=triton.next_power_of_2(h // g),
+                D_P=triton.next_power_of_2(d), num_warps=NUM_WARPS)
+
+
+def merge_fwd(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor, k_jNgd: torch.Tensor,
+              v_jNgd: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel: ``(out [N, h, d] in q's dtype, M [N, h] fp32)``."""
+    N, h, d, j, g = _check(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd)
+    out = _alloc((N, h, d), q_NhD.dtype, q_NhD.device)
+    merged = _alloc((N, h), torch.float32, q_NhD.device)
+    if N:
+        _merge_fwd_kernel[(N * g,)](
+            o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, out, merged,
+            o_NhD.stride(0), o_NhD.stride(1), lse_Nh.stride(0), lse_Nh.stride(1),
+            q_NhD.stride(0), q_NhD.stride(1), N, j, scale, **_meta(h, g, d))
+    return out, merged
+
+
+def merge_bwd(grad_NhD, o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, merged_Nh, scale):
+    """Launch the backward kernel: ``(do, dlse, dq, dk, dv)``, each like its input."""
+    N, h, d, j, g = _check(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd)
+    grad_NhD = grad_NhD.contiguous()
+    do = _alloc((N, h, d), o_NhD.dtype, o_NhD.device)
+    dlse = _alloc((N, h), torch.float32, o_NhD.device)
+    dq = _alloc((N, h, d), q_NhD.dtype, q_NhD.device)
+    dk, dv = (_alloc(tuple(k_jNgd.shape), k_jNgd.dtype, k_jNgd.device) for _ in range(2))
+    if N:
+        _merge_bwd_kernel[(N * g,)](
+            grad_NhD, o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, merged_Nh,
+            do, dlse, dq, dk, dv,
+            o_NhD.stride(0), o_NhD.stride(1), lse_Nh.stride(0), lse_Nh.stride(1),
+            q_NhD.stride(0), q_NhD.stride(1), N, j, scale, **_meta(h, g, d))
+    return do, dlse, dq, dk, dv
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+
+class _MergeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale):
+        return merge_fwd(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, output[1])
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        o, lse, q, k, v, merged = ctx.saved_tensors
+        return (*merge_bwd(grad_out, o, lse, q, k, v, merged, ctx.scale), None)
+
+
+# ---- public ------------------------------------------------------------------------
+
+
+def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor,
+                   k_jNgd: torch.Tensor, v_jNgd: torch.Tensor, scale: float) -> torch.Tensor:
+    """Add each row's own keys of steps ``1..j`` to causal attention outputs, by
+    log-sum-exp (Triton; see the module docstring).
+
+    Args:
+        o_NhD: ``[N, h, d]`` attention output over the step-0 keys (last stride 1).
+        lse_Nh: fp32 ``[N, h]`` natural log-sum-exp of the scaled step-0 scores.
+        q_NhD: ``[N, h, d]`` queries (RoPE applied; last stride 1).
+        k_jNgd, v_jNgd: ``[j, N, g, d]`` the rows' own keys and values of steps 1..j.
+        scale: score scale (``1 / sqrt(d)``).
+
+    Returns:
+        ``[N, h, d]`` in q's dtype; differentiable in o, lse, q, k and v.
+    """
+    return _MergeFunction.apply(o_NhD, lse_Nh, q_NhD, k_jNgd.contiguous(), v_jNgd.contiguous(), scale)[0]
+
+
+def merge_diagonal_naive(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor,
+                         k_jNgd: torch.Tensor, v_jNgd: torch.Tensor, scale: float) -> torch.Tensor:
+    """The PyTorch twin of ``merge_diagonal`` (fp32 maths, or fp64 for fp64 inputs; GQA
+    by broadcasting, nothing repeated). Any device; autograd gives its backward."""
+    N, h, d = q_NhD.shape
+    g = k_jNgd.shape[2]
+    math_dtype = torch.promote_types(q_NhD.dtype, torch.float32)
+    q = q_NhD.to(math_dtype).view(N, g, h // g, d)
+    k = k_jNgd.to(math_dtype)[:, :, :, None]  # [j, N, g, 1, d]
+    s = (q[None] * k).sum(-1) * scale  # [j, N, g, rep]
+    lse = lse_Nh.to(math_dtype).view(N, g, h // g)
+    top = torch.maximum(lse, s.amax(0))
+    w0, w = torch.exp(lse - top), torch.exp(s - top)
+    out = w0[..., None] * o_NhD.to(math_dtype).reshape(N, g, h // g, d)
+    out = out + (w[..., None] * v_jNgd.to(math_dtype)[:, :, :, None]).sum(0)
+    return (out / (w0 + w.sum(0))[..., None]).view(N, h, d).to(q_NhD.dtype)
