@@ -140,8 +140,26 @@ def test_auto_picks_by_computed_rows_and_stays_exact():
         rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
         fraction = sum(c.numel() for c in computed_rows(rm)) / (K * rm.denominator)
         for theta, want in ((fraction, "backbone"), (fraction - 0.01, "none")):
-            config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta)
+            config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta,
+                               auto_min_rows=0)
             assert choose_trim(rm, config) == want, (family, theta)
-            assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta),
+            assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta, auto_min_rows=0),
                         run(*batch, trim="none"), 1e-10, 1e-10)
     assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="none")) == "none"
+
+
+def test_auto_takes_the_full_path_below_min_rows():
+    """Fewer own rows than ``auto_min_rows`` (launch-bound short batches): none, even
+    where the fraction says backbone; at the threshold the fraction decides."""
+    from eagle3fn.ttt import TTTConfig, choose_trim
+
+    f, lm, *_ = make_batch("tail", 3)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    rows = rm.batch_size * rm.num_rows
+    auto = lambda n: TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=1.0,  # noqa: E731
+                               auto_min_rows=n)
+    assert choose_trim(rm, auto(rows)) == "backbone"
+    assert choose_trim(rm, auto(rows + 1)) == "none"
+    assert TTTConfig(draft=CFG).auto_min_rows == 4096
+    with pytest.raises(ValueError, match="auto_min_rows"):
+        auto(-1)

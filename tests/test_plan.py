@@ -418,12 +418,15 @@ def test_scattered_expected_counts_close_to_rowmap(monkeypatch):
 @pytest.mark.parametrize("S,density,pattern", [(400, 0.3, "tail"), (400, 0.95, "tail"),
                                                (400, 0.1, "scattered"), (400, 0.5, "scattered"),
                                                (400, 0.0, "tail")])
-def test_auto_matches_choose_trim(S, density, pattern, monkeypatch):
+@pytest.mark.parametrize("min_rows", [0, 400, 401])
+def test_auto_matches_choose_trim(S, density, pattern, min_rows, monkeypatch):
     """trim="auto" resolves as ``choose_trim`` on the row map, and the closed-form
-    path (no row map) agrees."""
-    args = PlanArgs(**{**SMALL, "seq_len": S, "density": density}, pattern=pattern, trim="auto")
+    path (no row map) agrees, on both sides of ``auto_min_rows``."""
+    args = PlanArgs(**{**SMALL, "seq_len": S, "density": density}, pattern=pattern, trim="auto",
+                    auto_min_rows=min_rows)
     rm = build_rowmap(synthetic_mask(args), args.ttt_length)
-    config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim="auto")
+    config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim="auto",
+                       auto_min_rows=min_rows)
     assert plan_rows(args).trim == choose_trim(rm, config)
     if pattern == "tail":
         monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
@@ -492,6 +495,26 @@ def test_bench_peak_negative_control(measured_code):
     assert abs(m.peak / GiB - gib) / gib > TOLERANCE, m.peak / GiB
 
 
+CURRENT_PEAKS = [  # (S, trim, optimizer, GiB): 8B shapes, 30% tail, the current code
+    # H200, benchmarks/step.py, each the first eagle3fn mode of its process with no
+    # SpecForge before it: docs/bench/step-8192-diagnose-merge.json (8192),
+    # step-32768-session4.json (32768, loss after backbone), step-262144-optimizer.json
+    # (--optimizer: fp32 masters, bf16 copies, AdamW state; 133.26 GiB of 139).
+    (8192, "backbone", False, 7.34), (8192, "none", False, 17.60),
+    (32768, "backbone", False, 18.55), (32768, "loss", False, 46.24),
+    (262144, "backbone", True, 133.26)]
+
+
+@pytest.mark.parametrize("S,trim,optimizer,gib", CURRENT_PEAKS)
+def test_current_peaks(S, trim, optimizer, gib):
+    """The plan of the current code within 2% of its H200 peaks (no adjustment), and
+    the saved-tensors-plus-resident floor misses them (negative control)."""
+    m = estimate_as(PlanArgs(trim=trim, seq_len=S, optimizer=optimizer), True).memory
+    assert abs(m.peak / GiB - gib) / gib < TOLERANCE, m.peak / GiB
+    floor = (m.parameters + m.inputs + m.teacher_table + m.saved_total + m.optimizer_state) / GiB
+    assert abs(floor - gib) / gib > TOLERANCE, floor
+
+
 def test_optimizer_state_and_sharding():
     base = estimate(PlanArgs()).memory
     opt = estimate(PlanArgs(optimizer=True)).memory
@@ -512,11 +535,11 @@ def test_flags_are_frozen():
     assert [f.name for f in dataclasses.fields(PlanArgs)] == [
         "seq_len", "density", "pattern", "hidden", "intermediate", "heads", "kv_heads", "head_dim",
         "target_hidden", "vocab", "draft_vocab", "ttt_length", "batch", "sp", "trim",
-        "auto_backbone_fraction", "dtype_bytes", "optimizer", "world", "gpu_memory_gib",
+        "auto_backbone_fraction", "auto_min_rows", "dtype_bytes", "optimizer", "world", "gpu_memory_gib",
         "head_chunk_rows", "teacher_chunk_size", "attention", "loss_impl"]
     assert PlanArgs().teacher_chunk_size == ttt_module.DEFAULT_CHUNK_SIZE
-    assert PlanArgs().auto_backbone_fraction == TTTConfig.__dataclass_fields__[
-        "auto_backbone_fraction"].default
+    for name in ("auto_backbone_fraction", "auto_min_rows"):
+        assert getattr(PlanArgs(), name) == TTTConfig.__dataclass_fields__[name].default
 
 
 @pytest.mark.parametrize("kwargs,match", [

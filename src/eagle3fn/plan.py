@@ -133,6 +133,9 @@ class PlanArgs:
     auto_backbone_fraction: float = _TTT_DEFAULTS["auto_backbone_fraction"]
     """``trim="auto"``: backbone when its layer rows are at most this fraction of
     ``k*B*C`` (``TTTConfig.auto_backbone_fraction``)."""
+    auto_min_rows: int = _TTT_DEFAULTS["auto_min_rows"]
+    """``trim="auto"``: fewer own rows ``B*C`` than this take the full path
+    (``TTTConfig.auto_min_rows``)."""
     dtype_bytes: int = 2
     """Bytes per element of the compute dtype of parameters and activations (2 =
     bf16, the GPU path; 4 = fp32, the CPU path)."""
@@ -468,8 +471,8 @@ def _rows_from_counts(args: PlanArgs, rank: int) -> tuple:
 
 def _auto_choice(args: PlanArgs, computed: tuple[float, ...], rowmap=None) -> str:
     """``trim="auto"`` as ``ttt.choose_trim`` decides it: on the real row map when there
-    is one, else its rule on counts (backbone iff the computed layer rows are at most
-    ``auto_backbone_fraction`` of ``k*B*C``; the other path is read from ``choose_trim``
+    is one, else its rule on counts (backbone iff ``B*C >= auto_min_rows`` and the
+    computed layer rows are at most ``auto_backbone_fraction`` of ``k*B*C``; the other path is read from ``choose_trim``
     itself, on a row map where backbone cannot win)."""
     from eagle3fn.draft import DraftConfig
     from eagle3fn.ttt import choose_trim
@@ -477,11 +480,12 @@ def _auto_choice(args: PlanArgs, computed: tuple[float, ...], rowmap=None) -> st
     draft = DraftConfig(hidden_size=8, intermediate_size=8, num_heads=1, num_kv_heads=1,
                         vocab_size=2, draft_vocab_size=2)
     config = TTTConfig(draft=draft, ttt_length=args.ttt_length, trim="auto",
-                       auto_backbone_fraction=args.auto_backbone_fraction)
+                       auto_backbone_fraction=args.auto_backbone_fraction,
+                       auto_min_rows=args.auto_min_rows)
     if rowmap is not None:
         return choose_trim(rowmap, config)
     total = args.ttt_length * args.batch * args.own_rows
-    if sum(computed) <= args.auto_backbone_fraction * total:
+    if args.batch * args.own_rows >= args.auto_min_rows and sum(computed) <= args.auto_backbone_fraction * total:
         return "backbone"
     every = build_rowmap(torch.ones(1, args.ttt_length + 1, dtype=torch.bool), args.ttt_length)
     return choose_trim(every, dataclasses.replace(config, auto_backbone_fraction=0.0))

@@ -55,13 +55,20 @@ class TTTConfig:
     ``backbone``: also the layer itself only where a loss needs it: step 0 computes
     keys/values for every row and the rest for ``rows_0 | backbone_rows_1``, step
     ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact). ``auto``: per batch,
-    ``backbone`` when the rows it computes are at most ``auto_backbone_fraction`` of
-    all, else ``none`` (``choose_trim``)."""
+    ``backbone`` when the batch has at least ``auto_min_rows`` rows and the rows the
+    trimmed layer computes are at most ``auto_backbone_fraction`` of all, else
+    ``none`` (``choose_trim``)."""
     auto_backbone_fraction: float = 0.7
     """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
     trimmed backbone still beats the full path. Calibrated on an H200 at 8B shapes
     (docs/benchmarks.md): at S=2048 the two cross near 50-75% tail density, at 8192
     near 80%; above it the full path is faster than both trimmed ones."""
+    auto_min_rows: int = 4096
+    """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
+    full path whatever its density. Short steps are bound by kernel launches on the
+    host, and the trimmed path launches more kernels (H200, 8B shapes: at S=2048
+    ``none`` beat ``backbone`` at every density, at 8192 ``backbone`` won up to 60%;
+    the crossover in between is not measured)."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention of the packed query rows over the step-0 keys with a
@@ -90,6 +97,8 @@ class TTTConfig:
             raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
             raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
+        if self.auto_min_rows < 0:
+            raise ValueError(f"auto_min_rows must be >= 0, got {self.auto_min_rows}")
 
 
 @dataclass(frozen=True)
@@ -452,7 +461,8 @@ def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
 
 
 def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
-    """The path ``trim="auto"`` takes for this batch: ``backbone`` when the layer rows
+    """The path ``trim="auto"`` takes for this batch: ``none`` below
+    ``config.auto_min_rows`` own rows (launch-bound), else ``backbone`` when the layer rows
     it computes (``sum_j |computed_rows_j|``, keys/values of step 0 aside) are at most
     ``config.auto_backbone_fraction`` of ``k*B*C``, else ``none`` (measured on the
     H200: near full density the untrimmed path beats both trimmed ones, whose
@@ -460,6 +470,8 @@ def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
     ``config.trim`` is returned as is."""
     if config.trim != "auto":
         return config.trim
+    if rowmap.batch_size * rowmap.num_rows < config.auto_min_rows:
+        return "none"
     total = rowmap.ttt_length * rowmap.batch_size * rowmap.num_rows
     computed = sum(c.numel() for c in computed_rows(rowmap))
     return "backbone" if computed <= config.auto_backbone_fraction * total else "none"
