@@ -139,7 +139,8 @@ def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
 
 def training_step(args, config, params, features, loss_mask, d2t, t2d):
     """One optimizer step as ``train.loop`` takes it on CUDA (fp32 masters, bf16 copies,
-    AdamW with its defaults there)."""
+    gradient clipping, AdamW with the loop's betas). docs/bench/step-262144-optimizer.json
+    was measured before the clipping was added here."""
     masters = init_params(config.draft, seed=0, device="cuda")  # fp32, as the loop's
     trainable = [p for p in masters.values() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
@@ -149,6 +150,7 @@ def training_step(args, config, params, features, loss_mask, d2t, t2d):
         out = ttt({n: p.to(torch.bfloat16) for n, p in masters.items()}, features, rm, config,
                   d2t=d2t, t2d=t2d)
         out.objective.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 0.5)  # TrainConfig.grad_clip's default
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out

@@ -112,3 +112,15 @@ def test_dispatch_and_packed_flex_forward(monkeypatch):
     got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C)
     assert calls, "the kernel path was not taken"
     assert rel_err(got, want[rows]) < 1e-5
+
+
+def test_row_without_step0_keys():
+    """A query with no step-0 key (FlexAttention: o = 0, lse = -inf) takes its output
+    from the diagonal keys alone, with finite gradients, as the twin does."""
+    o, lse, q, k, v, scale = make_inputs(4, 4, 2, 16, 2, torch.float32)
+    o, lse = o.clone(), lse.clone()
+    o[1], lse[1] = 0.0, float("-inf")
+    oracle = run(merge_diagonal_naive, [x.double() if torch.is_tensor(x) else x for x in (o, lse, q, k, v, scale)])
+    got = run(merge_diagonal, (o, lse, q, k, v, scale))
+    for name, x, y in zip(("out", "do", "dlse", "dq", "dk", "dv"), got, oracle):
+        assert torch.isfinite(x).all() and rel_err(x, y) < 1e-5, name

@@ -496,8 +496,8 @@ def test_bench_peak_negative_control(measured_code):
 
 
 CURRENT_PEAKS = [  # (S, trim, optimizer, GiB): 8B shapes, 30% tail, the current code
-    # H200, benchmarks/step.py, each the first eagle3fn mode of its process with no
-    # SpecForge before it: docs/bench/step-8192-diagnose-merge.json (8192),
+    # H200, benchmarks/step.py, each in a process where SpecForge had not run (the
+    # first mode, or after another eagle3fn mode): docs/bench/step-8192-diagnose-merge.json (8192),
     # step-32768-session4.json (32768, loss after backbone), step-262144-optimizer.json
     # (--optimizer: fp32 masters, bf16 copies, AdamW state; 133.26 GiB of 139).
     (8192, "backbone", False, 7.34), (8192, "none", False, 17.60),

@@ -488,6 +488,9 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
         assert _listed(num, idx) == _listed(*_transpose_ordered(getattr(bm, f"{kind}kv_num_blocks"),
                                                                 getattr(bm, f"{kind}kv_indices"))), kind
         assert _listed(getattr(bm, f"{kind}q_num_blocks"), getattr(bm, f"{kind}q_indices")) == _listed(num, idx)
+    from eagle3fn.ttt import _block_mask_takes_q_tables
+
+    assert _block_mask_takes_q_tables()  # this torch gets ours, not its own transposition
     wrong = _transposed_tables(*ranges, M, Lp // FLEX_BLOCK)
     differs = _listed(*wrong[:2]) | _listed(*wrong[2:]) != _listed(*ours[:2]) | _listed(*ours[2:])
     assert differs == (M > -(-N // FLEX_BLOCK)), "padding query blocks must be what differs"

@@ -249,15 +249,27 @@ def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: 
     full_hi = (last_Q[first] + 1) // FLEX_BLOCK - 1
     num_active = -(-num_queries // FLEX_BLOCK)
     kv = _range_tables(lo, hi, full_lo, full_hi, (m < num_active).long(), NB)
-    q = _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
-    try:
-        return BlockMask(seq_lengths=(start_Q.shape[0], key_len), kv_num_blocks=kv[0], kv_indices=kv[1],
-                         full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
-                         q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
-                         BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
-    except TypeError:  # a torch whose BlockMask takes other arguments: let it transpose
+    if not _block_mask_takes_q_tables():  # a torch without that constructor: let it transpose
         return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
                                         seq_lengths=(start_Q.shape[0], key_len))
+    q = _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
+    return BlockMask(seq_lengths=(start_Q.shape[0], key_len), kv_num_blocks=kv[0], kv_indices=kv[1],
+                     full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
+                     q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
+                     BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
+
+
+@functools.lru_cache(maxsize=1)
+def _block_mask_takes_q_tables() -> bool:
+    """Whether this torch's ``BlockMask`` constructor takes the key-major tables by name
+    (2.5 and later do)."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    names = inspect.signature(BlockMask.__init__).parameters
+    return all(n in names for n in ("seq_lengths", "q_num_blocks", "q_indices", "full_q_num_blocks",
+                                    "full_q_indices", "BLOCK_SIZE", "mask_mod"))
 
 
 def use_merge_kernel(q_NhD: torch.Tensor) -> bool:

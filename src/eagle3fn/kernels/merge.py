@@ -57,7 +57,7 @@ def _merge_fwd_kernel(o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, out_ptr, m_ptr,
     cols = tl.arange(0, D_P)
     rmask, cmask = r < REP, cols < D
     mask = rmask[:, None] & cmask[None, :]
-    heads = gi * REP + r
+    heads = (gi * REP + r).to(tl.int64)  # times strides of up to Qp*d: int64
     q = _tile(q_ptr, n, heads, cols, s_qn, s_qh, mask)
     acc = _tile(o_ptr, n, heads, cols, s_on, s_oh, mask)
     top = tl.load(lse_ptr + n * s_ln + heads * s_lh, mask=rmask, other=0.0).to(tl.float32)
@@ -94,7 +94,7 @@ def _merge_bwd_kernel(g_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, m_ptr,
     cols = tl.arange(0, D_P)
     rmask, cmask = r < REP, cols < D
     mask = rmask[:, None] & cmask[None, :]
-    heads = gi * REP + r
+    heads = (gi * REP + r).to(tl.int64)  # times strides of up to Qp*d: int64
     H = G * REP
     dense = (n * H + heads[:, None]) * D + cols[None, :]  # [N, h, d] contiguous
     grad = tl.load(g_ptr + dense, mask=mask, other=0.0).to(tl.float32)
