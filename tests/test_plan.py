@@ -17,9 +17,9 @@ import torch.nn.attention.flex_attention as flex_module
 from torch.utils.flop_counter import FlopCounterMode
 
 import eagle3fn.draft as draft_module
+import eagle3fn.kernels.merge as merge_kernel
 import eagle3fn.loss as loss_module
 import eagle3fn.plan as plan_module
-import eagle3fn.kernels.merge as merge_kernel
 import eagle3fn.ttt as ttt_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.plan import (ALLOCATOR_OVERHEAD_BYTES, GiB, PlanArgs, estimate, format_plan, plan,
@@ -497,8 +497,9 @@ def test_bench_peak_negative_control(measured_code):
 
 CURRENT_PEAKS = [  # (S, trim, optimizer, GiB): 8B shapes, 30% tail, the current code
     # H200, benchmarks/step.py, each in a process where SpecForge had not run (the
-    # first mode, or after another eagle3fn mode): docs/bench/step-8192-diagnose-merge.json (8192),
-    # step-32768-session4.json (32768, loss after backbone), step-262144-optimizer.json
+    # first mode, or after another eagle3fn mode): docs/bench/
+    # step-8192-diagnose-merge.json (8192, none after backbone), step-32768-session4.json
+    # (32768, loss after backbone), step-262144-optimizer.json
     # (--optimizer: fp32 masters, bf16 copies, AdamW state; 133.26 GiB of 139).
     (8192, "backbone", False, 7.34), (8192, "none", False, 17.60),
     (32768, "backbone", False, 18.55), (32768, "loss", False, 46.24),
@@ -535,8 +536,8 @@ def test_flags_are_frozen():
     assert [f.name for f in dataclasses.fields(PlanArgs)] == [
         "seq_len", "density", "pattern", "hidden", "intermediate", "heads", "kv_heads", "head_dim",
         "target_hidden", "vocab", "draft_vocab", "ttt_length", "batch", "sp", "trim",
-        "auto_backbone_fraction", "auto_min_rows", "dtype_bytes", "optimizer", "world", "gpu_memory_gib",
-        "head_chunk_rows", "teacher_chunk_size", "attention", "loss_impl"]
+        "auto_backbone_fraction", "auto_min_rows", "dtype_bytes", "optimizer", "world",
+        "gpu_memory_gib", "head_chunk_rows", "teacher_chunk_size", "attention", "loss_impl"]
     assert PlanArgs().teacher_chunk_size == ttt_module.DEFAULT_CHUNK_SIZE
     for name in ("auto_backbone_fraction", "auto_min_rows"):
         assert getattr(PlanArgs(), name) == TTTConfig.__dataclass_fields__[name].default

@@ -28,9 +28,10 @@ Triton kernel (``kernels.merge``). The plan assumes it when
 ``draft.COMPILE_ELEMENTWISE`` is on (the default; ``EAGLE3FN_COMPILE=0`` turns both
 off). The tests (tests/test_plan.py) run the real ``ttt`` on CPU under
 ``saved_tensors_hooks``, eager and with those three functions compiled by CPU
-inductor and the merge kernel in the Triton interpreter, and compare with ``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the
-H200) keeps the same tensors as the CPU one, and the peak, rest on the GPU constants
-below and on measurements.
+inductor and the merge kernel in the Triton interpreter, and compare with
+``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the H200) keeps the
+same tensors as the CPU one, and the peak, rest on the GPU constants below and on
+measurements.
 
 FLOPs are counted as the code executes them: every GEMM (forward, and backward as
 two GEMMs per weight, one where the input needs no gradient), FlexAttention per
@@ -472,8 +473,8 @@ def _rows_from_counts(args: PlanArgs, rank: int) -> tuple:
 def _auto_choice(args: PlanArgs, computed: tuple[float, ...], rowmap=None) -> str:
     """``trim="auto"`` as ``ttt.choose_trim`` decides it: on the real row map when there
     is one, else its rule on counts (backbone iff ``B*C >= auto_min_rows`` and the
-    computed layer rows are at most ``auto_backbone_fraction`` of ``k*B*C``; the other path is read from ``choose_trim``
-    itself, on a row map where backbone cannot win)."""
+    computed layer rows are at most ``auto_backbone_fraction`` of ``k*B*C``; the other
+    path is read from ``choose_trim`` itself, on a row map where backbone cannot win)."""
     from eagle3fn.draft import DraftConfig
     from eagle3fn.ttt import choose_trim
 
@@ -484,8 +485,8 @@ def _auto_choice(args: PlanArgs, computed: tuple[float, ...], rowmap=None) -> st
                        auto_min_rows=args.auto_min_rows)
     if rowmap is not None:
         return choose_trim(rowmap, config)
-    total = args.ttt_length * args.batch * args.own_rows
-    if args.batch * args.own_rows >= args.auto_min_rows and sum(computed) <= args.auto_backbone_fraction * total:
+    rows = args.batch * args.own_rows
+    if rows >= args.auto_min_rows and sum(computed) <= args.auto_backbone_fraction * args.ttt_length * rows:
         return "backbone"
     every = build_rowmap(torch.ones(1, args.ttt_length + 1, dtype=torch.bool), args.ttt_length)
     return choose_trim(every, dataclasses.replace(config, auto_backbone_fraction=0.0))

@@ -61,8 +61,9 @@ class TTTConfig:
     auto_backbone_fraction: float = 0.7
     """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
     trimmed backbone still beats the full path. Calibrated on an H200 at 8B shapes
-    (docs/benchmarks.md): at S=2048 the two cross near 50-75% tail density, at 8192
-    near 80%; above it the full path is faster than both trimmed ones."""
+    (docs/benchmarks.md): at 8192 the two cross between 60% and 100% tail density;
+    above it the full path is faster than both trimmed ones (shorter batches:
+    ``auto_min_rows``)."""
     auto_min_rows: int = 4096
     """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
     full path whatever its density. Short steps are bound by kernel launches on the

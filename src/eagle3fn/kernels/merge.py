@@ -39,9 +39,34 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 @triton.jit
+def _group(G: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, REP_P: tl.constexpr,
+           D_P: tl.constexpr):
+    """This program's row ``n``, kv head ``gi``, its ``rep`` query heads (int64: they
+    multiply strides of up to ``Qp*d``), the head-dim lanes and their masks."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, REP_P)
+    cols = tl.arange(0, D_P)
+    rmask, cmask = r < REP, cols < D
+    gi = pid % G
+    return ((pid // G).to(tl.int64), gi, (gi * REP + r).to(tl.int64), cols, rmask, cmask,
+            rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _tile(ptr, n, heads, cols, s_n, s_h, mask):
     """fp32 ``[REP, D]`` tile of a ``[N, h, d]`` tensor (last stride 1)."""
     return tl.load(ptr + n * s_n + heads[:, None] * s_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _diagonal(k_ptr, v_ptr, i, N, n, gi, cols, cmask, q, scale, G: tl.constexpr, D: tl.constexpr):
+    """Step ``i``'s own key and value of row ``n``, kv head ``gi`` (fp32 ``[D]`` each,
+    at offset ``base`` of the ``[j, N, g, d]`` stacks) and the group's scaled scores
+    ``s = scale * q . k`` ``[REP]``."""
+    base = ((i * N + n) * G + gi) * D
+    k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+    return base, k, v, tl.sum(q * k[None, :], 1) * scale
 
 
 @triton.jit
@@ -50,23 +75,13 @@ def _merge_fwd_kernel(o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, out_ptr, m_ptr,
                       N, J, scale,
                       G: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                       REP_P: tl.constexpr, D_P: tl.constexpr):
-    pid = tl.program_id(0)
-    n = (pid // G).to(tl.int64)
-    gi = pid % G
-    r = tl.arange(0, REP_P)
-    cols = tl.arange(0, D_P)
-    rmask, cmask = r < REP, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    heads = (gi * REP + r).to(tl.int64)  # times strides of up to Qp*d: int64
+    n, gi, heads, cols, rmask, cmask, mask = _group(G, REP, D, REP_P, D_P)
     q = _tile(q_ptr, n, heads, cols, s_qn, s_qh, mask)
     acc = _tile(o_ptr, n, heads, cols, s_on, s_oh, mask)
     top = tl.load(lse_ptr + n * s_ln + heads * s_lh, mask=rmask, other=0.0).to(tl.float32)
     denom = tl.full([REP_P], 1.0, tl.float32)
     for i in range(J):
-        base = ((i * N + n) * G + gi) * D
-        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        s = tl.sum(q * k[None, :], 1) * scale
+        _, k, v, s = _diagonal(k_ptr, v_ptr, i, N, n, gi, cols, cmask, q, scale, G, D)
         new = tl.maximum(top, s)
         alpha = tl.exp(top - new)
         p = tl.exp(s - new)
@@ -87,14 +102,7 @@ def _merge_bwd_kernel(g_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, m_ptr,
                       N, J, scale,
                       G: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                       REP_P: tl.constexpr, D_P: tl.constexpr):
-    pid = tl.program_id(0)
-    n = (pid // G).to(tl.int64)
-    gi = pid % G
-    r = tl.arange(0, REP_P)
-    cols = tl.arange(0, D_P)
-    rmask, cmask = r < REP, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    heads = (gi * REP + r).to(tl.int64)  # times strides of up to Qp*d: int64
+    n, gi, heads, cols, rmask, cmask, mask = _group(G, REP, D, REP_P, D_P)
     H = G * REP
     dense = (n * H + heads[:, None]) * D + cols[None, :]  # [N, h, d] contiguous
     grad = tl.load(g_ptr + dense, mask=mask, other=0.0).to(tl.float32)
@@ -105,20 +113,16 @@ def _merge_bwd_kernel(g_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, m_ptr,
     p0 = tl.where(rmask, tl.exp(lse - merged), 0.0)
     out = p0[:, None] * o  # the fp32 output, recomputed
     for i in range(J):
-        base = ((i * N + n) * G + gi) * D
-        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        p = tl.where(rmask, tl.exp(tl.sum(q * k[None, :], 1) * scale - merged), 0.0)
+        _, k, v, s = _diagonal(k_ptr, v_ptr, i, N, n, gi, cols, cmask, q, scale, G, D)
+        p = tl.where(rmask, tl.exp(s - merged), 0.0)
         out += p[:, None] * v[None, :]
     dot_out = tl.sum(grad * out, 1)
     tl.store(do_ptr + dense, _to_output(p0[:, None] * grad, do_ptr.dtype.element_ty), mask=mask)
     tl.store(dlse_ptr + n * H + heads, p0 * (tl.sum(grad * o, 1) - dot_out), mask=rmask)
     dq = tl.zeros([REP_P, D_P], tl.float32)
     for i in range(J):
-        base = ((i * N + n) * G + gi) * D
-        k = tl.load(k_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
-        p = tl.where(rmask, tl.exp(tl.sum(q * k[None, :], 1) * scale - merged), 0.0)
+        base, k, v, s = _diagonal(k_ptr, v_ptr, i, N, n, gi, cols, cmask, q, scale, G, D)
+        p = tl.where(rmask, tl.exp(s - merged), 0.0)
         ds = p * (tl.sum(grad * v[None, :], 1) - dot_out) * scale
         dq += ds[:, None] * k[None, :]
         tl.store(dk_ptr + base + cols, _to_output(tl.sum(ds[:, None] * q, 0), dk_ptr.dtype.element_ty),
