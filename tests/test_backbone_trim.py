@@ -84,7 +84,7 @@ def test_computed_rows_are_nested_and_golden():
 
 
 def test_scope_of_backbone_trimming():
-    """k_proj/v_proj see every row at step 0; q/o/MLP see rows_0 | backbone_rows_1 at
+    """k_proj sees every row at step 0; q, the post-attention norm and the MLP see rows_0 | backbone_rows_1 at
     step 0 and backbone_rows_j after; the loss trim (negative control) sees B*S."""
     B = 3
     f, lm, params, d2t, t2d = batch = make_batch("tail", B)
@@ -92,8 +92,8 @@ def test_scope_of_backbone_trimming():
     want = [c.numel() for c in computed_rows(rm)]
     assert sum(want) < B * S * K
     sk = skeleton(CFG)
-    names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.o_proj",
-             "midlayer.mlp.down_proj"]
+    names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj",
+             "midlayer.post_attention_layernorm", "midlayer.mlp.gate_proj"]
 
     def seen_rows(trim):
         seen = {}
@@ -109,9 +109,9 @@ def test_scope_of_backbone_trimming():
 
     seen = seen_rows("backbone")
     assert seen["midlayer.self_attn.k_proj"] == [B * S] + want[1:]
-    for n in ("midlayer.self_attn.q_proj", "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj"):
+    for n in ("midlayer.self_attn.q_proj", "midlayer.post_attention_layernorm", "midlayer.mlp.gate_proj"):
         assert seen[n] == want, n
-    assert seen_rows("loss")["midlayer.mlp.down_proj"] == [B * S] * K
+    assert seen_rows("loss")["midlayer.mlp.gate_proj"] == [B * S] * K
 
 
 def test_flex_backbone_forward_equals_eager_on_cpu():
@@ -163,3 +163,43 @@ def test_auto_takes_the_full_path_below_min_rows():
     assert TTTConfig(draft=CFG).auto_min_rows == 4096
     with pytest.raises(ValueError, match="auto_min_rows"):
         auto(-1)
+
+
+@pytest.mark.parametrize("family", ["random30", "tail"])
+def test_host_plan_equals_per_step_index_maths(family):
+    """The index maths ``ttt`` now does once on the host (``_plan_steps``) equals what
+    each step derived on its own: the positions of step j's computed rows inside step
+    j-1's and of rows_j inside step j's, and every step's packed FlexAttention layout.
+    Negative control: the plan of another batch's row map differs."""
+    B = 3
+    f, lm, params, d2t, t2d = make_batch(family, B)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    plan = ttt_module._plan_steps(rm, "backbone", f, flex=True)
+    computed = computed_rows(rm)
+    lengths = f.attention_mask.sum(1)
+    for j, (c, r) in enumerate(zip(computed, rm.rows)):
+        assert torch.equal(plan.at[j], torch.searchsorted(c, r))
+        if j:
+            assert torch.equal(plan.within[j], torch.searchsorted(computed[j - 1], c))
+        want = ttt_module.packed_layout(c, lengths, S, ttt_module._key_len(B * S))
+        got = plan.layouts[j]
+        assert got.num_queries == want.num_queries == c.numel()
+        for x, y in zip((got.start, got.last, *got.tables), (want.start, want.last, *want.tables)):
+            assert torch.equal(x, y)
+    other = build_rowmap(supervised_mask(make_batch("single", B)[1], f.attention_mask), K)
+    wrong = ttt_module._plan_steps(other, "backbone", f, flex=True)
+    assert any(not torch.equal(a, b) for a, b in zip(wrong.at, plan.at))
+
+
+def test_upload_packs_and_aligns():
+    """``_upload`` returns every tensor intact (int32 and int64 mixed, empty ones too),
+    each starting on a 64-byte boundary of one buffer per dtype."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int64).to(dt)
+               for shape, dt in [((5,), torch.int64), ((1, 1, 3, 7), torch.int32), ((0,), torch.int32),
+                                 ((1, 1, 9), torch.int32), ((130,), torch.int64)]]
+    sent = ttt_module._upload(tensors, torch.device("cpu"))
+    for x, y in zip(sent, tensors):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        assert (x.storage_offset() * x.element_size()) % 64 == 0
+    assert sent[1].untyped_storage().data_ptr() == sent[3].untyped_storage().data_ptr()

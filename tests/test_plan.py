@@ -62,6 +62,9 @@ def cpu_compiled() -> dict:
     return {(draft_module, "rms_norm"): compile_(draft_module.rms_norm.eager),
             (draft_module, "swiglu"): compile_(draft_module.swiglu.eager),
             (ttt_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
+            (ttt_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
+            (ttt_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
+            (ttt_module, "swiglu"): compile_(draft_module.swiglu.eager),
             (ttt_module, "merge_diagonal"): merge_kernel.merge_diagonal}
 
 
@@ -325,9 +328,10 @@ def real_mask_blocks(args: PlanArgs, wrong_mask=False) -> list[int]:
     real_mask = ttt_module.packed_block_mask
     counts = []
 
-    def spy(start, last, num_queries, key_len, mask_mod):
-        last = last + ttt_module.FLEX_BLOCK if wrong_mask else last
-        mask = real_mask(start, last, num_queries, key_len, mask_mod)
+    def spy(start, last, num_queries, key_len, mask_mod, tables=None):
+        if wrong_mask:  # the tables planned on the host are those of the real windows
+            last, tables = last + ttt_module.FLEX_BLOCK, None
+        mask = real_mask(start, last, num_queries, key_len, mask_mod, tables)
         counts.append(int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()))
         return mask
 

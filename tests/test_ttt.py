@@ -195,7 +195,7 @@ def test_scope_of_loss_trimming():
     seen = {}
     sk = skeleton(CFG)
     names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
-             "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj", "norm", "lm_head"]
+             "midlayer.post_attention_layernorm", "midlayer.mlp.gate_proj", "norm", "lm_head"]
     hooks = [sk.get_submodule(n).register_forward_hook(
         lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
         for n in names]

@@ -145,16 +145,35 @@ def rope_cos_sin(positions: torch.Tensor, rope: RopeConfig, head_dim: int,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[*positions.shape, d]`` (``emb = cat(freqs, freqs)``), in ``dtype``."""
     inv_freq, scale = _device_frequencies(rope, head_dim, positions.device)
+    return _cos_sin(positions, inv_freq, scale, dtype)
+
+
+@fused_on_cuda
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin``'s maths (fp64 angles; one fused kernel on CUDA)."""
     freqs = positions.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 @fused_on_cuda
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama rotate-half RoPE: ``x*cos + rotate_half(x)*sin`` (non-interleaved)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return _rope(x, cos, sin)
+
+
+@fused_on_cuda
+def apply_rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` of the queries and the keys of one step, in one call (one
+    compiled region on CUDA instead of two)."""
+    return _rope(q, cos, sin), _rope(k, cos, sin)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -212,12 +231,25 @@ class DraftConfig:
         return self.target_hidden_size or self.hidden_size
 
 
-@fused_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` with fp32 (or fp64) math, output in the input dtype."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = x.to(torch.promote_types(x.dtype, torch.float32))
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
+
+
+@fused_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` with fp32 (or fp64) math, output in the input dtype."""
+    return _rms_norm(x, weight, eps)
+
+
+@fused_on_cuda
+def norm_pair(x: torch.Tensor, g: torch.Tensor, x_weight: torch.Tensor, g_weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """The layer input ``cat(rms_norm(x), rms_norm(g))`` ``[N, 2H]`` of the token
+    embeddings ``x`` (cast to ``g``'s dtype first) and the features ``g`` ``[N, H]``:
+    one compiled region on CUDA instead of two norms and a copy."""
+    return torch.cat((_rms_norm(x.to(g.dtype), x_weight, eps), _rms_norm(g, g_weight, eps)), dim=-1)
 
 
 def head_logits(out_NH: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from eagle3fn.align import shift_left
 import eagle3fn.draft as draft_module
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, head_logits, rope_cos_sin
+from eagle3fn.draft import (DraftConfig, Eagle3Draft, apply_rope, apply_rope_pair, head_logits,
+                            norm_pair, rope_cos_sin, swiglu)
 from eagle3fn.kernels import merge as merge_kernel
 from eagle3fn.loss import LossConfig, head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
@@ -175,7 +176,7 @@ def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor,
     ``[1, g, Lp, d]``, ``Lp`` = ``B*C`` rounded up to FLEX_BLOCK (zeros past it, never
     read). Built once per batch and shared by every step."""
     BC = k_Ngd.shape[0]
-    Lp = max(-(-BC // FLEX_BLOCK), 1) * FLEX_BLOCK
+    Lp = _key_len(BC)
     prep = lambda x: F.pad(x, (0, 0, 0, 0, 0, Lp - BC)).transpose(0, 1)[None].contiguous()  # noqa: E731
     return prep(k_Ngd), prep(v_Ngd)
 
@@ -228,18 +229,13 @@ def _transposed_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor
     return _range_tables(b, a - 1, bf, af - 1, (a > b).long(), lo.shape[0])
 
 
-def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int, key_len: int,
-                      mask_mod):
-    """FlexAttention BlockMask for ``Qp = len(start_Q)`` packed queries over ``key_len``
-    flat keys (both multiples of FLEX_BLOCK): query ``i`` may see keys
-    ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query block: full blocks
-    = key blocks inside every query's window, partial blocks (the ``mask_mod``
-    applies) = the rest of the union of the windows; blocks holding only padding
-    queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
-    of the backward come from the same ranges (``_transposed_tables``), not from a
-    dense mask and a sort."""
-    from torch.nn.attention.flex_attention import BlockMask
-
+def block_tables(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int,
+                 key_len: int) -> tuple[torch.Tensor, ...]:
+    """The int32 tables of ``packed_block_mask`` (any device, no host sync): query-major
+    ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` and, where this
+    torch's ``BlockMask`` takes them, the key-major ``(q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices)`` of the backward. Shapes ``[1, 1, R]`` and
+    ``[1, 1, R, W]``."""
     M, NB = start_Q.shape[0] // FLEX_BLOCK, key_len // FLEX_BLOCK
     m = torch.arange(M, device=start_Q.device)
     first = (m * FLEX_BLOCK).clamp(max=max(num_queries - 1, 0))
@@ -250,14 +246,196 @@ def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: 
     full_hi = (last_Q[first] + 1) // FLEX_BLOCK - 1
     num_active = -(-num_queries // FLEX_BLOCK)
     kv = _range_tables(lo, hi, full_lo, full_hi, (m < num_active).long(), NB)
-    if not _block_mask_takes_q_tables():  # a torch without that constructor: let it transpose
-        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
-                                        seq_lengths=(start_Q.shape[0], key_len))
-    q = _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
-    return BlockMask(seq_lengths=(start_Q.shape[0], key_len), kv_num_blocks=kv[0], kv_indices=kv[1],
+    if not _block_mask_takes_q_tables():  # a torch without that constructor: it transposes
+        return kv
+    return kv + _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
+
+
+def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int, key_len: int,
+                      mask_mod, tables: tuple[torch.Tensor, ...] | None = None):
+    """FlexAttention BlockMask for ``Qp = len(start_Q)`` packed queries over ``key_len``
+    flat keys (both multiples of FLEX_BLOCK): query ``i`` may see keys
+    ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query block: full blocks
+    = key blocks inside every query's window, partial blocks (the ``mask_mod``
+    applies) = the rest of the union of the windows; blocks holding only padding
+    queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
+    of the backward come from the same ranges (``_transposed_tables``), not from a
+    dense mask and a sort. ``tables``: ``block_tables`` of these windows, already
+    computed (``packed_layouts`` builds them on the host)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if tables is None:
+        tables = block_tables(start_Q, last_Q, num_queries, key_len)
+    lengths = (start_Q.shape[0], key_len)
+    if len(tables) == 4:
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                        seq_lengths=lengths)
+    kv, q = tables[:4], tables[4:]
+    return BlockMask(seq_lengths=lengths, kv_num_blocks=kv[0], kv_indices=kv[1],
                      full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
                      q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
                      BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One step's packed FlexAttention queries (``packed_flex_attention``): query ``i``
+    (row ``qflat[i]``; padding queries repeat the last row) sees the flat step-0 keys
+    ``start[i]..last[i]``; ``tables`` are ``block_tables`` of those windows.
+
+    Fields:
+        num_queries: N, the step's real query rows.
+        start, last: int64 ``[Qp]`` (``Qp = packed_query_len(N, Lp)``).
+        tables: the int32 block tables (``block_tables``).
+    """
+
+    num_queries: int
+    start: torch.Tensor
+    last: torch.Tensor
+    tables: tuple[torch.Tensor, ...]
+
+
+def _key_len(num_flat_rows: int) -> int:
+    """Lp: ``B*C`` flat keys rounded up to FLEX_BLOCK (at least one block)."""
+    return max(-(-num_flat_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
+
+
+def packed_layout(rows_N: torch.Tensor, lengths_B: torch.Tensor, num_rows: int,
+                  key_len: int) -> PackedLayout:
+    """``PackedLayout`` of the sorted flat query rows ``rows_N`` (N >= 1) on their
+    device: each query sees its sample's keys up to itself, capped at the sample's
+    last real row (``lengths_B``, right padding)."""
+    N = rows_N.numel()
+    Qp = packed_query_len(N, key_len)
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(Qp - N)])  # padding queries copy the last
+    sample = qflat // num_rows
+    start = sample * num_rows
+    last = torch.minimum(qflat, start + lengths_B.to(qflat.device)[sample] - 1)
+    return PackedLayout(N, start, last, block_tables(start, last, N, key_len))
+
+
+def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (host, int32/int64) on ``device`` in one copy per dtype: packed into
+    one pinned buffer, each segment starting at a 64-byte boundary (compiled kernels
+    take them as inputs), sent with ``non_blocking``."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in (torch.int64, torch.int32):
+        mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        if not mine:
+            continue
+        align = 64 // torch.empty((), dtype=dtype).element_size()
+        sizes = [-(-tensors[i].numel() // align) * align for i in mine]
+        host = torch.zeros(sum(sizes), dtype=dtype, pin_memory=torch.cuda.is_available())
+        offsets = [sum(sizes[:n]) for n in range(len(mine))]
+        for i, o in zip(mine, offsets):
+            host[o:o + tensors[i].numel()] = tensors[i].flatten()
+        dev = host.to(device, non_blocking=True)
+        for i, o in zip(mine, offsets):
+            out[i] = dev[o:o + tensors[i].numel()].view(tensors[i].shape)
+    return out
+
+
+def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """int64 host copies of ``tensors`` in one download (one host sync when they live on
+    a GPU; none when they are already on the host)."""
+    sizes = [t.numel() for t in tensors]
+    if not tensors:
+        return []
+    flat = torch.cat([t.to(torch.int64).flatten() for t in tensors]).cpu()
+    return [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
+
+
+def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor,
+                  num_rows: int) -> list[PackedLayout | None]:
+    """``packed_layout`` of each step's rows (host tensors; ``None``: every row), None
+    for a step without rows."""
+    Lp = _key_len(lengths_B.numel() * num_rows)
+    every = torch.arange(lengths_B.numel() * num_rows)
+    return [None if r is not None and not r.numel()
+            else packed_layout(every if r is None else r, lengths_B, num_rows, Lp) for r in rows]
+
+
+def _layout_tensors(layouts: Sequence[PackedLayout | None]) -> list[torch.Tensor]:
+    return [t for lay in layouts if lay is not None for t in (lay.start, lay.last, *lay.tables)]
+
+
+def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[PackedLayout | None]:
+    """The layouts with their tensors taken in order from the iterator ``sent``."""
+    return [None if lay is None else PackedLayout(
+        lay.num_queries, next(sent), next(sent), tuple(next(sent) for _ in lay.tables))
+        for lay in layouts]
+
+
+def packed_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
+                   device: torch.device) -> list[PackedLayout | None]:
+    """The ``PackedLayout`` of every step at once, computed on the host and sent to
+    ``device`` in two copies (one download of the row lists first when they live
+    there): per step a few dozen tiny index kernels fewer on the GPU, the launches that
+    made the trimmed step host-bound. ``rows[j]``: step j's sorted flat query rows
+    (``None``: every row). None where a step has no rows."""
+    host = _to_host([lengths_B] + [r for r in rows if r is not None])
+    listed = iter(host[1:])
+    layouts = _host_layouts([None if r is None else next(listed) for r in rows], host[0], num_rows)
+    if torch.device(device).type == "cpu":
+        return layouts
+    return _rebuild_layouts(layouts, iter(_upload(_layout_tensors(layouts), torch.device(device))))
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """Index maths of one batch's unrolled steps, done on the host (``_plan_steps``).
+
+    Fields:
+        layouts: the flex path's ``PackedLayout`` per step (None: another attention).
+        within: ``trim="backbone"``: per step ``j >= 1``, the positions of the computed
+            rows of step j inside those of step ``j - 1`` (entry 0 None); else None.
+        at: per step, the rows whose loss is taken, as positions in the step's output.
+    """
+
+    layouts: list | None
+    within: list | None
+    at: list
+
+
+def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """Positions of the sorted rows ``inner`` inside the sorted ``outer``. Clamped so a
+    hand-made row map whose rows are not nested reads wrong rows (which the
+    negative-control tests catch) instead of out of range."""
+    return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
+
+
+def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool) -> _StepPlan:
+    """The ``_StepPlan`` of a batch: on a GPU, the row lists it needs come down in one
+    copy, and the layouts and positions go up in two, instead of a few dozen tiny
+    kernels per step."""
+    C = rowmap.num_rows
+    device = features.aux.device
+    computed = computed_rows(rowmap) if trim == "backbone" else None
+    lengths = features.attention_mask[:, :C].sum(1)
+    wanted = ([lengths] if flex else []) + (list(computed) + list(rowmap.rows) if computed else [])
+    host = iter(_to_host(wanted))
+    lengths_h = next(host) if flex else None
+    layouts = within = None
+    at = list(rowmap.rows)
+    if computed is not None:
+        comp_h = [next(host) for _ in computed]
+        rows_h = [next(host) for _ in rowmap.rows]
+        within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
+        at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
+    if flex:
+        layouts = _host_layouts(comp_h if computed is not None else [None] * rowmap.ttt_length,
+                                lengths_h, C)
+    if device.type == "cpu":
+        return _StepPlan(layouts, within, at)
+    moved = (_layout_tensors(layouts) if flex else []) + (
+        [w for w in within[1:]] + at if computed is not None else [])
+    sent = iter(_upload(moved, device))
+    if flex:
+        layouts = _rebuild_layouts(layouts, sent)
+    if computed is not None:
+        within = [None] + [next(sent) for _ in within[1:]]
+        at = [next(sent) for _ in at]
+    return _StepPlan(layouts, within, at)
 
 
 @functools.lru_cache(maxsize=1)
@@ -297,7 +475,7 @@ def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tenso
 
 def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
                           diagonal: tuple[torch.Tensor, torch.Tensor] | None, lengths_B: torch.Tensor,
-                          num_rows: int) -> torch.Tensor:
+                          num_rows: int, layout: PackedLayout | None = None) -> torch.Tensor:
     """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
     (the one-rank GPU path of every trim mode).
 
@@ -316,6 +494,8 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
             ``1..j``, aligned with ``rows_N`` (None at step 0).
         lengths_B: int ``[B]`` real rows per sample (right padding).
         num_rows: C.
+        layout: ``packed_layout(rows_N, lengths_B, num_rows, Lp)``, when already built
+            (``packed_layouts`` plans every step on the host); else built here.
 
     Returns:
         ``[N, h, d]`` in ``q``'s dtype.
@@ -327,16 +507,15 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     Lp = K.shape[2]
     if N == 0:
         return q_NhD.new_zeros(N, h, d)
-    Qp = packed_query_len(N, Lp)
-    qflat = torch.cat([rows_N, rows_N[-1:].expand(Qp - N)])  # padding queries copy the last
-    sample = qflat // num_rows
-    start = sample * num_rows
-    last = torch.minimum(qflat, start + lengths_B[sample] - 1)
+    if layout is None:
+        layout = packed_layout(rows_N, lengths_B, num_rows, Lp)
+    start, last = layout.start, layout.last
+    Qp = start.shape[0]
 
     def mask_mod(b, head, q_idx, kv_idx):
         return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
 
-    block_mask = packed_block_mask(start, last, N, Lp, mask_mod)
+    block_mask = packed_block_mask(start, last, N, Lp, mask_mod, tables=layout.tables)
     Q = F.pad(q_NhD, (0, 0, 0, 0, 0, Qp - N)).transpose(0, 1)[None].contiguous()
     attend = _compiled_flex() if q_NhD.is_cuda else flex_attention
     scale = 1.0 / math.sqrt(d)
@@ -348,33 +527,37 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     return merge_diagonal(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)
 
 
+def _flex_path(attention: AttentionImpl, attend, features: Features) -> bool:
+    """Whether the steps' attention is the one-rank packed FlexAttention."""
+    return attend is None and (attention == "flex" or (attention == "auto" and features.aux.is_cuda))
+
+
 def _row_attention(attention: AttentionImpl, attend, features: Features, valid_BC: torch.Tensor,
-                   k0: torch.Tensor, v0: torch.Tensor):
-    """``run(q [N, h, d], rows_N | None, diagonal) -> [N, h, d]``: one step's attention
+                   k0: torch.Tensor, v0: torch.Tensor, layouts=None):
+    """``run(q [N, h, d], rows_N | None, diagonal, j) -> [N, h, d]``: step j's attention
     for the queries of some flat rows (``None``: every row, in order) over the step-0
     keys ``k0, v0`` ``[B*C, g, d]`` and each row's own keys of steps ``1..j``
     (``diagonal = (k, v)``, each ``[j, N, g, d]`` aligned with the rows; None at j = 0).
 
     The one-rank FlexAttention path (``attention="flex"``, or ``auto`` on CUDA) packs
-    the queries (``packed_flex_attention``). Otherwise the queries are placed in zero
+    the queries (``packed_flex_attention``; ``layouts[j]`` from ``packed_layouts`` when
+    given, else built per step). Otherwise the queries are placed in zero
     ``[B, h, C, d]`` tensors for ``attend`` (``Collectives.attend`` under sequence
     parallelism, else ``eager_attention``), whose other rows' outputs are dropped."""
     B, C = valid_BC.shape
-    if attend is None:
-        if attention == "auto":
-            attention = "flex" if features.aux.is_cuda else "eager"
-        if attention == "flex":
-            keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
-            every = torch.arange(B * C, device=k0.device)
-            return lambda q, rows, diagonal: packed_flex_attention(  # noqa: E731
-                q, every if rows is None else rows, keys, diagonal, lengths, C)
-        attend = eager_attention
+    if _flex_path(attention, attend, features):
+        keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
+        every = torch.arange(B * C, device=k0.device)
+        return lambda q, rows, diagonal, j: packed_flex_attention(  # noqa: E731
+            q, every if rows is None else rows, keys, diagonal, lengths, C,
+            None if layouts is None else layouts[j])
+    attend = attend or eager_attention
     as_B = lambda x: x.view(B, C, *x.shape[1:]).transpose(1, 2)  # noqa: E731 - [B, n, C, d]
 
     def dense(x, rows):
         return as_B(x if rows is None else x.new_zeros(B * C, *x.shape[1:]).index_copy(0, rows, x))
 
-    def run(q, rows, diagonal):
+    def run(q, rows, diagonal, j):
         own = [] if diagonal is None else zip(*diagonal)
         keys = [(as_B(k0), as_B(v0))] + [(dense(k, rows), dense(v, rows)) for k, v in own]
         out = attend(dense(q, rows), keys, valid_BC).transpose(1, 2).flatten(0, 1)
@@ -383,7 +566,8 @@ def _row_attention(attention: AttentionImpl, attend, features: Features, valid_B
 
 
 def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
-            rows: Sequence[torch.Tensor] | None, attention: AttentionImpl, attend) -> list[torch.Tensor]:
+            rows: Sequence[torch.Tensor] | None, attention: AttentionImpl, attend,
+            plan: _StepPlan | None = None) -> list[torch.Tensor]:
     """The k unrolled steps on the rows ``rows[j]`` of each step (``None``: every row).
 
     Step 0 computes keys and values for every own row (everyone's context) and the
@@ -411,57 +595,62 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: i
     def take(x, idx):  # rows idx of x (None: all); index_select's backward is one
         return x if idx is None else x.index_select(0, idx)  # index_add, not a sort
 
-    def within(outer, inner):  # positions of the sorted rows inner inside sorted outer
+    def within(j, outer, inner):  # positions of the sorted rows inner inside sorted outer
         if inner is None:
             return None
-        # Clamped so a hand-made row map whose rows are not nested reads wrong rows
-        # (which the negative-control tests catch) instead of out of range.
-        return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
+        return plan.within[j] if plan is not None and plan.within else _inside(outer, inner)
 
-    def layer_rest(q, g, rows, diagonal):  # attention, o_proj and MLP of rows
-        a = attend_rows(q, rows, diagonal)
-        r = g + attn.o_proj(a.reshape(a.shape[0], cfg.num_heads * cfg.d))
-        return r + layer.mlp(layer.post_attention_layernorm(r))
+    def layer_rest(q, g, rows, diagonal, j):  # attention, o_proj and MLP of rows
+        a = attend_rows(q, rows, diagonal, j)
+        # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T).
+        r = torch.addmm(g, a.reshape(a.shape[0], cfg.num_heads * cfg.d), attn.o_proj.weight.t())
+        x = layer.post_attention_layernorm(r)
+        mlp = layer.mlp
+        return torch.addmm(r, swiglu(mlp.gate_proj(x), mlp.up_proj(x)), mlp.down_proj.weight.t())
 
-    emb = draft.embed_tokens(ids_next[:, :C]).flatten(0, 1).to(g_all.dtype)
-    u = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_all)), dim=-1)
+    def layer_input(ids, g):  # [norm(embed(ids)) ; norm(g)], [n, 2H]
+        return norm_pair(draft.embed_tokens(ids), g, layer.input_layernorm.weight,
+                         layer.hidden_norm.weight, cfg.rms_norm_eps)
+
+    u = layer_input(ids_next[:, :C].flatten(), g_all)
     cos, sin = rope_at(pos_flat)
     k0 = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
     attend_rows = _row_attention(attention, attend, features, valid, k0,
-                                 heads(attn.v_proj(u), cfg.num_kv_heads))
+                                 heads(attn.v_proj(u), cfg.num_kv_heads),
+                                 None if plan is None else plan.layouts)
     prev = None if rows is None else rows[0]
     q = apply_rope(heads(attn.q_proj(take(u, prev)), cfg.num_heads), take(cos, prev), take(sin, prev))
-    out = layer_rest(q, take(g_all, prev), prev, None)
+    out = layer_rest(q, take(g_all, prev), prev, None, 0)
     outs, diagonal = [out], None  # the rows' own keys/values of steps 1..j, [j, N, g, d]
     for j in range(1, ttt_length):
         rj = None if rows is None else rows[j]
-        at = within(prev, rj)
+        at = within(j, prev, rj)
         g = take(out, at)
         ids_j = take(shift_left(ids_next, j)[:, :C].reshape(-1), rj)
-        u = torch.cat((layer.input_layernorm(draft.embed_tokens(ids_j).to(g.dtype)),
-                       layer.hidden_norm(g)), dim=-1)
+        u = layer_input(ids_j, g)
         cos, sin = rope_at(take(pos_flat, rj) + j)
-        q = apply_rope(heads(attn.q_proj(u), cfg.num_heads), cos, sin)
-        k = apply_rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
+        q, k = apply_rope_pair(heads(attn.q_proj(u), cfg.num_heads),
+                               heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
         v = heads(attn.v_proj(u), cfg.num_kv_heads)
         diagonal = (k[None], v[None]) if diagonal is None else tuple(
             torch.cat((x if at is None else x.index_select(1, at), y[None]))
             for x, y in zip(diagonal, (k, v)))
-        out = layer_rest(q, g, rj, diagonal)
+        out = layer_rest(q, g, rj, diagonal, j)
         outs.append(out)
         prev = rj
     return outs
 
 
 def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
-             attention: AttentionImpl = "eager", attend=None) -> list[torch.Tensor]:
+             attention: AttentionImpl = "eager", attend=None,
+             plan: _StepPlan | None = None) -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
 
     Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
     (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
     """
     B = features.input_ids.shape[0]
-    outs = _unroll(draft, features, num_rows, ttt_length, None, attention, attend)
+    outs = _unroll(draft, features, num_rows, ttt_length, None, attention, attend, plan)
     return [out.view(B, num_rows, -1) for out in outs]
 
 
@@ -492,7 +681,7 @@ def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
 
 def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
                      rows: Sequence[torch.Tensor], attention: AttentionImpl = "eager",
-                     attend=None) -> list[torch.Tensor]:
+                     attend=None, plan: _StepPlan | None = None) -> list[torch.Tensor]:
     """``backbone`` computing only the rows a later loss needs (``computed_rows``).
 
     Step 0 computes keys and values for every own row (everyone's context) and the
@@ -503,7 +692,7 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
     Returns:
         k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
     """
-    return _unroll(draft, features, num_rows, ttt_length, rows, attention, attend)
+    return _unroll(draft, features, num_rows, ttt_length, rows, attention, attend, plan)
 
 
 class _Unrolled(torch.nn.Module):
@@ -516,19 +705,19 @@ class _Unrolled(torch.nn.Module):
 
     def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
-                collectives: Collectives | None = None):
+                collectives: Collectives | None = None, plan: _StepPlan | None = None):
         attend = collectives.attend if collectives is not None else None
+        if plan is None:
+            plan = _plan_steps(rowmap, config.trim, features,
+                               _flex_path(config.attention, attend, features))
         if config.trim == "backbone":
-            computed = computed_rows(rowmap)
             outs = trimmed_backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
-                                    computed, config.attention, attend=attend)
-            # rows_j inside the computed rows of step j (both sorted)
-            at = [torch.searchsorted(c, r).clamp_max(max(c.numel() - 1, 0))
-                  for c, r in zip(computed, rowmap.rows)]
+                                    computed_rows(rowmap), config.attention, attend=attend,
+                                    plan=plan)
         else:
             outs = backbone(self.draft, features, rowmap.num_rows, config.ttt_length,
-                            config.attention, attend=attend)
-            at = list(rowmap.rows)
+                            config.attention, attend=attend, plan=plan)
+        at = plan.at  # rows_j as positions in step j's output
         impl = config.loss_impl
         if impl == "auto":
             impl = "triton" if features.aux.is_cuda else "torch"
@@ -613,6 +802,10 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         )
     if config.trim == "auto":
         config = dataclasses.replace(config, trim=choose_trim(rowmap, config))
+    # The steps' index maths first, on the host: its one download waits for nothing but
+    # the row map, not for the teacher.
+    plan = _plan_steps(rowmap, config.trim, features, _flex_path(
+        config.attention, collectives.attend if collectives is not None else None, features))
     supervised_flat = None
     if config.trim != "none":
         table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
@@ -626,7 +819,7 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
     module = _Unrolled(skeleton(config.draft))
     named = {f"draft.{k}": v for k, v in params.items()}
     terms = torch.func.functional_call(
-        module, named, (features, rowmap, config, table, d2t, supervised_flat, collectives)
+        module, named, (features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
     )
     if collectives is None:
         return objective(terms, rowmap.denominator, config.loss)
