@@ -61,6 +61,8 @@ class BenchArgs:
     vocab: int = 128256
     draft_vocab: int = 32000
     ttt_length: int = 7
+    head_chunk_rows: int | None = None
+    """eagle3fn modes: rows per chunk of the fused head (None: ``TTTConfig``'s default)."""
     json: str | None = None
     """Write the results here as JSON."""
     profile: str | None = None
@@ -75,6 +77,11 @@ class BenchArgs:
     master weights, bf16 compute copies (gradients flow back through the cast),
     fp32 gradients and the AdamW step included; the peak then holds the optimizer
     state (compare ``eagle3fn plan --optimizer``)."""
+    host_profile: str | None = None
+    """Append where the host time of one step of each mode goes to this file: torch
+    profiler CPU ops by total and by self CPU time (forward and autograd's backward
+    threads), and cProfile of the forward's Python (backward runs in autograd's
+    threads, which cProfile does not see)."""
     diagnose: bool = False
     """Also report per mode: host ms (time for the Python of one step to return, before
     the GPU finishes), GPU busy ms (sum of kernel times in a profiled step), kernel
@@ -123,7 +130,8 @@ def draft_config(args: BenchArgs) -> DraftConfig:
 
 
 def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
-    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex")
+    chunk = {} if args.head_chunk_rows is None else dict(head_chunk_rows=args.head_chunk_rows)
+    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex", **chunk)
     if args.optimizer:
         return training_step(args, config, params, features, loss_mask, d2t, t2d)
 
@@ -263,6 +271,38 @@ def profile_step(step, path: str, title: str) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
+def host_profile_step(step, path: str, title: str) -> None:
+    """Append the host side of one step to ``path`` (see ``--host-profile``)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    torch.cuda.synchronize()
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=45, max_name_column_width=80)
+              for key in ("cpu_time_total", "self_cpu_time_total")]
+    forward = cProfile.Profile()
+    real_backward = torch.Tensor.backward
+    torch.Tensor.backward = lambda self, *a, **k: (forward.disable(), real_backward(self, *a, **k))[1]
+    try:
+        forward.enable()
+        step()
+        forward.disable()
+    finally:
+        torch.Tensor.backward = real_backward
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(forward, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(forward, stream=text).sort_stats("cumulative").print_stats(40)
+    with open(path, "a") as f:
+        f.write(f"\n==== {title}\n" + "\n".join(tables) + "\n---- cProfile, forward\n" + text.getvalue())
+
+
 def isolated(args: BenchArgs, ceiling: float) -> list[dict]:
     """``measure`` of each (S, pattern, density, mode) in a fresh Python process."""
     import subprocess
@@ -339,6 +379,8 @@ def measure(args: BenchArgs) -> tuple[float, list[dict]]:
                         ms, gib = timed(step, args.warmup, args.iters)
                         if args.diagnose:
                             extra = diagnose(step, args.iters)
+                        if args.host_profile:
+                            host_profile_step(step, args.host_profile, f"S={S} {density} {pattern} mode={mode}")
                         if args.profile:
                             profile_step(step, f"{args.profile}", f"S={S} {density} {pattern} mode={mode}")
                     except torch.OutOfMemoryError:

@@ -191,6 +191,33 @@ def test_host_plan_equals_per_step_index_maths(family):
     assert any(not torch.equal(a, b) for a, b in zip(wrong.at, plan.at))
 
 
+def test_host_plan_runs_on_one_thread(monkeypatch):
+    """The host index maths runs with one intra-op thread (a thread pool's wake-up cost
+    more than the small ops, docs/benchmarks.md) and gives the caller's count back,
+    also when it raises. Fails if ``_plan_steps`` loses its ``_one_thread``."""
+    f, lm, params, d2t, t2d = make_batch("random30", 2)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    seen = []
+    real = torch.searchsorted
+    monkeypatch.setattr(torch, "searchsorted", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                               real(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ttt_module._plan_steps(rm, "backbone", f, flex=True)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+
+        def boom(*a, **k):
+            raise RuntimeError("boom")
+        monkeypatch.setattr(torch, "searchsorted", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            ttt_module._plan_steps(rm, "backbone", f, flex=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_upload_packs_and_aligns():
     """``_upload`` returns every tensor intact (int32 and int64 mixed, empty ones too),
     each starting on a 64-byte boundary of one buffer per dtype."""

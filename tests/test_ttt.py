@@ -238,6 +238,27 @@ def test_fused_head_keeps_no_logits_and_changes_nothing(chunk_rows):
     assert_same(fused, unfused, 1e-12, 1e-12)
 
 
+def test_fused_head_chunks_shrink_for_large_vocabularies(monkeypatch):
+    """A fused-head chunk holds at most ``HEAD_CHUNK_LOGITS`` logits: the chunk the TTT
+    hands ``head_step_terms`` shrinks with Vd (never below one row) and the result
+    is the same. Fails if the cap is ignored (the chunk would be head_chunk_rows)."""
+    import eagle3fn.ttt as ttt_module
+
+    assert ttt_module.fused_head_chunk(4096, 32000) == 4096
+    assert ttt_module.fused_head_chunk(4096, 262144) == 512
+    assert ttt_module.fused_head_chunk(4096, 2**28) == 1
+    f, lm, params, d2t, t2d = batch = make_batch("random30", 3)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    whole = run(*batch, trim="loss", rowmap=rm, fused_head=False)
+    seen = []
+    real = ttt_module.head_step_terms
+    monkeypatch.setattr(ttt_module, "head_step_terms",
+                        lambda *a, chunk_rows, **k: (seen.append(chunk_rows), real(*a, chunk_rows=chunk_rows, **k))[1])
+    monkeypatch.setattr(ttt_module, "HEAD_CHUNK_LOGITS", 3 * VD + 1)
+    assert_same(run(*batch, trim="loss", rowmap=rm, head_chunk_rows=4096), whole, 1e-12, 1e-12)
+    assert seen == [3] * K
+
+
 def test_triton_loss_impl_in_the_ttt():
     """loss_impl="triton" (interpreter on CPU) inside the TTT equals the torch path."""
     f, lm, params, d2t, t2d = make_batch("random30", 2, dtype=torch.float32)

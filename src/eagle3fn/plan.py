@@ -52,7 +52,7 @@ import torch
 
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.teacher import DEFAULT_CHUNK_SIZE
-from eagle3fn.ttt import FLEX_BLOCK, TTTConfig
+from eagle3fn.ttt import FLEX_BLOCK, TTTConfig, fused_head_chunk
 
 GiB = 2**30
 
@@ -149,7 +149,8 @@ class PlanArgs:
     gpu_memory_gib: float = 139.0
     """Memory of one GPU in GiB (default 139: one NVIDIA H200, about 139 GiB usable)."""
     head_chunk_rows: int = _TTT_DEFAULTS["head_chunk_rows"]
-    """Rows per chunk of the fused head (``TTTConfig.head_chunk_rows``, 2048)."""
+    """Most rows per chunk of the fused head (``TTTConfig.head_chunk_rows``, 4096; fewer
+    for large Vd, ``ttt.fused_head_chunk``)."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Vocab entries per block of the streamed teacher (``TTTConfig.teacher_chunk_size``)."""
     attention: Attention = "auto"
@@ -790,7 +791,8 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     if rows.trim == "backbone" and kind != "flex":
         rope = max(rope, R * h * d * b)
     phases["forward_backbone"] = resident + table + sum(saved) + sum(outs[:-1]) + keys + rope
-    c = min(args.head_chunk_rows, max(n_rows)) if trimmed_head else 0
+    chunk = fused_head_chunk(args.head_chunk_rows, Vd)
+    c = min(chunk, max(n_rows)) if trimmed_head else 0
     norm_tmp = 0 if fused else 2 * H * 4  # the eager norm's fp32 temporaries
     head_fwd = c * (Vd * b + norm_tmp + 2 * H * b)
     phases["forward_head"] = resident + table + saved_total + sum(outs) + head_fwd
@@ -811,7 +813,7 @@ def _memory(args: PlanArgs, rows: Rows) -> Memory:
     for q, j in enumerate(range(k - 1, -1, -1)):
         if trimmed_head:
             n = n_rows[j]
-            cj = min(args.head_chunk_rows, n)
+            cj = min(chunk, n)
             # the chunk's recomputed logits and their gradient, the recomputed norm
             # (eager: fp32 input, pre-weight and output; fused: output) and its gradient
             norm_bwd = 2 * H * b if fused else H * (4 + 3 * b)

@@ -85,8 +85,12 @@ class TTTConfig:
     fused_head: bool = True
     """Trimmed paths: run norm + lm_head + loss in row chunks and recompute the
     logits in backward instead of keeping ``[n_j, Vd]`` (``loss.head_step_terms``)."""
-    head_chunk_rows: int = 2048
-    """Rows per chunk of the fused head (peak logits memory ``chunk * Vd``)."""
+    head_chunk_rows: int = 4096
+    """Most rows per chunk of the fused head; a chunk also holds at most
+    ``HEAD_CHUNK_LOGITS`` logits (``fused_head_chunk``: 4096 rows at Vd 32000, 512 at
+    262144). Each chunk costs a few dozen launches forward and backward: at 8192 /
+    30% on the H200, 4096 rows instead of 2048 took the step from 1553 to 1217
+    launches at the same peak (docs/benchmarks.md)."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Vocab entries per block when the teacher is streamed from the final hidden."""
 
@@ -101,6 +105,18 @@ class TTTConfig:
             raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
         if self.auto_min_rows < 0:
             raise ValueError(f"auto_min_rows must be >= 0, got {self.auto_min_rows}")
+
+
+HEAD_CHUNK_LOGITS = 2**27
+"""Most logits one fused-head chunk holds (256 MiB in bf16; its gradient as much in
+backward)."""
+
+
+def fused_head_chunk(head_chunk_rows: int, draft_vocab: int) -> int:
+    """Rows per chunk of the fused head: ``head_chunk_rows``, fewer for large draft
+    vocabularies so that a chunk holds at most ``HEAD_CHUNK_LOGITS`` logits (at least
+    one row)."""
+    return max(1, min(head_chunk_rows, HEAD_CHUNK_LOGITS // draft_vocab))
 
 
 @dataclass(frozen=True)
@@ -314,6 +330,26 @@ def packed_layout(rows_N: torch.Tensor, lengths_B: torch.Tensor, num_rows: int,
     return PackedLayout(N, start, last, block_tables(start, last, N, key_len))
 
 
+def _one_thread(fn):
+    """Run ``fn`` with one intra-op CPU thread (``torch.set_num_threads``, the count
+    restored after). The host index maths works on tensors of a few thousand
+    rows, where an op that wakes a pool of OpenMP threads costs more than its work:
+    on the H200 machine's host (16 threads, a VM) one ``searchsorted`` of 8192 rows took
+    1.3 ms, and those of one 8192 / 30% step 55 ms of its ~170 ms host time."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        if before == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper
+
+
 def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` (host, int32/int64) on ``device`` in one copy per dtype: packed into
     one pinned buffer, each segment starting at a 64-byte boundary (compiled kernels
@@ -366,6 +402,7 @@ def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[Packe
         for lay in layouts]
 
 
+@_one_thread
 def packed_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
                    device: torch.device) -> list[PackedLayout | None]:
     """The ``PackedLayout`` of every step at once, computed on the host and sent to
@@ -404,6 +441,7 @@ def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
 
 
+@_one_thread
 def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool) -> _StepPlan:
     """The ``_StepPlan`` of a batch: on a GPU, the row lists it needs come down in one
     copy, and the layouts and positions go up in two, instead of a few dozen tiny
@@ -729,7 +767,8 @@ class _Unrolled(torch.nn.Module):
                 head = functools.partial(head_logits, cfg=self.draft.cfg)
                 terms.append(head_step_terms(
                     flat.index_select(0, at[j]), head, self.draft.head_weights(), table,
-                    rowmap.table_rows[j], d2t, chunk_rows=config.head_chunk_rows, **kwargs))
+                    rowmap.table_rows[j], d2t, **kwargs,
+                    chunk_rows=fused_head_chunk(config.head_chunk_rows, config.draft.draft_vocab_size)))
                 continue
             if config.trim != "none":
                 logits = self.draft.head(flat.index_select(0, at[j]))  # [n_j, Vd]
