@@ -8,6 +8,7 @@ Effective FLOPs count the causal step-0 part of the query rows only: forward
 convention); the diagonal keys are O(rows). ``--densities 1`` is every row.
 
     python benchmarks/attention.py --seq-lens 8192 32768 --steps 0 6
+    python benchmarks/attention.py --kernel-options '{}' '{"bwd_num_stages": 2}'
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import json
+
 import torch
 import tyro
 
+import eagle3fn.ttt as ttt_module
 from eagle3fn.ttt import packed_flex_attention, packed_keys
 from timing import cuda_timed
 
@@ -38,10 +42,13 @@ class AttnArgs:
     head_dim: int = 128
     iters: int = 10
     """Timed repetitions (median)."""
+    kernel_options: tuple[str, ...] = ("null",)
+    """FlexAttention ``kernel_options`` to time, each a JSON object (``null``: the
+    library's ``ttt.FLEX_KERNEL_OPTIONS``); every configuration runs with each."""
 
 
 def main(args: AttnArgs) -> None:
-    results = []
+    results, default = [], ttt_module.FLEX_KERNEL_OPTIONS
     for S in args.seq_lens:
         g = torch.Generator(device="cuda").manual_seed(0)
         bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -57,18 +64,25 @@ def main(args: AttnArgs) -> None:
             q = rand(n, args.heads, args.head_dim)
             j_max = max(args.steps)
             diag = (rand(j_max, n, args.kv_heads, args.head_dim), rand(j_max, n, args.kv_heads, args.head_dim))
-            for j in args.steps:
-                def step():
-                    own = None if j == 0 else (diag[0][:j], diag[1][:j])
-                    out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S)
-                    out.backward(torch.ones_like(out))
-                ms, _, _ = cuda_timed(step, warmup=3, iters=args.iters)
-                flops = 3.5 * 2 * 2 * args.heads * args.head_dim * float((rows + 1).sum())
-                results.append((S, density, j, ms, flops / ms / 1e9))
-                print(results[-1], flush=True)
-    print(f"\n{'S':>7} {'rows':>6} {'step':>5} {'fwd+bwd ms':>11} {'eff. TFLOP/s':>13}   ({args.pattern})")
-    for S, density, j, ms, tf in results:
-        print(f"{S:>7} {density:>6.0%} {j:>5} {ms:>11.2f} {tf:>13.0f}")
+            for options in args.kernel_options:
+                ttt_module.FLEX_KERNEL_OPTIONS = json.loads(options) if options != "null" else default
+                for j in args.steps:
+                    def step():
+                        own = None if j == 0 else (diag[0][:j], diag[1][:j])
+                        out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S)
+                        out.backward(torch.ones_like(out))
+                    try:
+                        ms, _, _ = cuda_timed(step, warmup=3, iters=args.iters)
+                    except Exception as error:  # a configuration the GPU cannot run
+                        print(f"{options}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                        ms = float("nan")
+                    flops = 3.5 * 2 * 2 * args.heads * args.head_dim * float((rows + 1).sum())
+                    results.append((S, density, j, ms, flops / ms / 1e9, options))
+                    print(results[-1], flush=True)
+    print(f"\n{'S':>7} {'rows':>6} {'step':>5} {'fwd+bwd ms':>11} {'eff. TFLOP/s':>13}   "
+          f"kernel options ({args.pattern})")
+    for S, density, j, ms, tf, options in results:
+        print(f"{S:>7} {density:>6.0%} {j:>5} {ms:>11.2f} {tf:>13.0f}   {options}")
 
 
 if __name__ == "__main__":

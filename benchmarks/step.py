@@ -25,6 +25,7 @@ import tyro
 
 from eagle3fn.align import shift_left, supervised_mask
 import eagle3fn.draft as draft_module
+import eagle3fn.ttt as ttt_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
@@ -63,6 +64,9 @@ class BenchArgs:
     ttt_length: int = 7
     head_chunk_rows: int | None = None
     """eagle3fn modes: rows per chunk of the fused head (None: ``TTTConfig``'s default)."""
+    flex_kernel_options: str | None = None
+    """eagle3fn modes: FlexAttention ``kernel_options`` as a JSON object (``null``: none);
+    default: the library's ``ttt.FLEX_KERNEL_OPTIONS``."""
     json: str | None = None
     """Write the results here as JSON."""
     profile: str | None = None
@@ -355,6 +359,8 @@ def main(args: BenchArgs) -> None:
 def measure(args: BenchArgs) -> tuple[float, list[dict]]:
     """Time every configuration in this process: (matmul TFLOP/s, result rows)."""
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.flex_kernel_options is not None:
+        ttt_module.FLEX_KERNEL_OPTIONS = json.loads(args.flex_kernel_options)
     ceiling = matmul_tflops()
     cfg = draft_config(args)
     rows = []

@@ -515,3 +515,18 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
     wrong = _transposed_tables(*ranges, M, Lp // FLEX_BLOCK)
     differs = _listed(*wrong[:2]) | _listed(*wrong[2:]) != _listed(*ours[:2]) | _listed(*ours[2:])
     assert differs == (M > -(-N // FLEX_BLOCK)), "padding query blocks must be what differs"
+
+
+def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
+    """``FLEX_KERNEL_OPTIONS`` (the tuning hook ``benchmarks/attention.py`` sweeps) is
+    handed, as a copy, to FlexAttention calls on CUDA; CPU calls and an unset hook get
+    ``None`` (inductor's defaults)."""
+    import eagle3fn.ttt as ttt_module
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert ttt_module.flex_kernel_options(cuda) is None
+    options = {"bwd_num_stages": 2}
+    monkeypatch.setattr(ttt_module, "FLEX_KERNEL_OPTIONS", options)
+    got = ttt_module.flex_kernel_options(cuda)
+    assert got == options and got is not options
+    assert ttt_module.flex_kernel_options(cpu) is None

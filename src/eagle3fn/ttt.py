@@ -59,18 +59,19 @@ class TTTConfig:
     ``backbone`` when the batch has at least ``auto_min_rows`` rows and the rows the
     trimmed layer computes are at most ``auto_backbone_fraction`` of all, else
     ``none`` (``choose_trim``)."""
-    auto_backbone_fraction: float = 0.7
+    auto_backbone_fraction: float = 0.85
     """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
     trimmed backbone still beats the full path. Calibrated on an H200 at 8B shapes
-    (docs/benchmarks.md): at 8192 the two cross between 60% and 100% tail density;
-    above it the full path is faster than both trimmed ones (shorter batches:
-    ``auto_min_rows``)."""
+    (docs/benchmarks.md, session 7): at 8192 backbone against none was 0.80x at
+    fraction 0.6, 0.99x at 0.8 and 1.07x at 0.9 (tail), 0.94x at 0.91 (scattered), and
+    1.12-1.15x at 1.0 (100% density, at 2048, 8192 and 32768)."""
     auto_min_rows: int = 4096
     """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
     full path whatever its density. Short steps are bound by kernel launches on the
-    host, and the trimmed path launches more kernels (H200, 8B shapes: at S=2048
-    ``none`` beat ``backbone`` at every density, at 8192 ``backbone`` won up to 60%;
-    the crossover in between is not measured)."""
+    host, and the trimmed path launches more kernels (H200, 8B shapes: at S=1024
+    ``none`` beat ``backbone`` at 10-60% tail density by 16-52%; at 2048 ``backbone``
+    was 0.8-0.99x ``none`` at 10-60% tail but 1.08-1.20x at 45-60% scattered; at 8192
+    and above it wins at every fraction up to 0.8)."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention of the packed query rows over the step-0 keys with a
@@ -185,6 +186,19 @@ def _compiled_flex():
     # path. Each (length, dtype) needs its own kernel, so allow more than the default.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
+
+
+FLEX_KERNEL_OPTIONS: dict | None = None
+"""``kernel_options`` passed to FlexAttention on CUDA (block sizes, warps, stages; see
+``torch.nn.attention.flex_attention.FlexKernelOptions``). ``None``: inductor's defaults
+for the device. ``benchmarks/attention.py --kernel-options`` sweeps it (on the H200 at
+8B shapes no setting beat the defaults: docs/benchmarks.md, session 7)."""
+
+
+def flex_kernel_options(device: torch.device) -> dict | None:
+    """A copy of ``FLEX_KERNEL_OPTIONS`` for a FlexAttention call on ``device`` (CUDA
+    only; ``None`` elsewhere or when unset)."""
+    return dict(FLEX_KERNEL_OPTIONS) if device.type == "cuda" and FLEX_KERNEL_OPTIONS else None
 
 
 def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,7 +572,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     attend = _compiled_flex() if q_NhD.is_cuda else flex_attention
     scale = 1.0 / math.sqrt(d)
     out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
-                      return_lse=True)
+                      return_lse=True, kernel_options=flex_kernel_options(q_NhD.device))
     o = out[0, :, :N].transpose(0, 1)
     if diagonal is None:
         return o
