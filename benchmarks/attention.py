@@ -43,12 +43,28 @@ class AttnArgs:
     iters: int = 10
     """Timed repetitions (median)."""
     kernel_options: tuple[str, ...] = ("null",)
-    """FlexAttention ``kernel_options`` to time, each a JSON object (``null``: the
-    library's ``ttt.FLEX_KERNEL_OPTIONS``); every configuration runs with each."""
+    """FlexAttention ``kernel_options`` to time, each a JSON object (``null``: none,
+    inductor's defaults, which is what the library passes unless
+    ``ttt.FLEX_KERNEL_OPTIONS`` is set); every configuration runs with each. A
+    setting the GPU cannot compile or run is reported and timed as NaN."""
 
 
 def main(args: AttnArgs) -> None:
-    results, default = [], ttt_module.FLEX_KERNEL_OPTIONS
+    default = ttt_module.FLEX_KERNEL_OPTIONS
+    try:
+        results = measure(args)
+    finally:
+        ttt_module.FLEX_KERNEL_OPTIONS = default
+    print(f"\n{'S':>7} {'rows':>6} {'step':>5} {'fwd+bwd ms':>11} {'eff. TFLOP/s':>13}   "
+          f"kernel options ({args.pattern})")
+    for S, density, j, ms, tf, options in results:
+        print(f"{S:>7} {density:>6.0%} {j:>5} {ms:>11.2f} {tf:>13.0f}   {options}")
+
+
+def measure(args: AttnArgs) -> list[tuple]:
+    """(S, density, step, ms, TFLOP/s, options) of every configuration."""
+    results = []
+    parsed = [json.loads(options) for options in args.kernel_options]  # bad JSON fails first
     for S in args.seq_lens:
         g = torch.Generator(device="cuda").manual_seed(0)
         bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -64,8 +80,8 @@ def main(args: AttnArgs) -> None:
             q = rand(n, args.heads, args.head_dim)
             j_max = max(args.steps)
             diag = (rand(j_max, n, args.kv_heads, args.head_dim), rand(j_max, n, args.kv_heads, args.head_dim))
-            for options in args.kernel_options:
-                ttt_module.FLEX_KERNEL_OPTIONS = json.loads(options) if options != "null" else default
+            for options, as_dict in zip(args.kernel_options, parsed):
+                ttt_module.FLEX_KERNEL_OPTIONS = as_dict
                 for j in args.steps:
                     def step():
                         own = None if j == 0 else (diag[0][:j], diag[1][:j])
@@ -79,10 +95,7 @@ def main(args: AttnArgs) -> None:
                     flops = 3.5 * 2 * 2 * args.heads * args.head_dim * float((rows + 1).sum())
                     results.append((S, density, j, ms, flops / ms / 1e9, options))
                     print(results[-1], flush=True)
-    print(f"\n{'S':>7} {'rows':>6} {'step':>5} {'fwd+bwd ms':>11} {'eff. TFLOP/s':>13}   "
-          f"kernel options ({args.pattern})")
-    for S, density, j, ms, tf, options in results:
-        print(f"{S:>7} {density:>6.0%} {j:>5} {ms:>11.2f} {tf:>13.0f}   {options}")
+    return results
 
 
 if __name__ == "__main__":

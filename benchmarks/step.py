@@ -65,8 +65,8 @@ class BenchArgs:
     head_chunk_rows: int | None = None
     """eagle3fn modes: rows per chunk of the fused head (None: ``TTTConfig``'s default)."""
     flex_kernel_options: str | None = None
-    """eagle3fn modes: FlexAttention ``kernel_options`` as a JSON object (``null``: none);
-    default: the library's ``ttt.FLEX_KERNEL_OPTIONS``."""
+    """eagle3fn modes: FlexAttention ``kernel_options`` as a JSON object (``null``: none,
+    inductor's defaults); not given: the library's ``ttt.FLEX_KERNEL_OPTIONS``."""
     json: str | None = None
     """Write the results here as JSON."""
     profile: str | None = None

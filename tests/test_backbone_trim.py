@@ -161,8 +161,11 @@ def test_auto_takes_the_full_path_below_min_rows():
     assert choose_trim(rm, auto(rows)) == "backbone"
     assert choose_trim(rm, auto(rows + 1)) == "none"
     assert TTTConfig(draft=CFG).auto_min_rows == 4096
+    assert TTTConfig(draft=CFG).auto_backbone_fraction == 0.85
     with pytest.raises(ValueError, match="auto_min_rows"):
         auto(-1)
+    with pytest.raises(ValueError, match="auto_backbone_fraction"):
+        TTTConfig(draft=CFG, auto_backbone_fraction=float("nan"))
 
 
 @pytest.mark.parametrize("family", ["random30", "tail"])
@@ -189,6 +192,55 @@ def test_host_plan_equals_per_step_index_maths(family):
     other = build_rowmap(supervised_mask(make_batch("single", B)[1], f.attention_mask), K)
     wrong = ttt_module._plan_steps(other, "backbone", f, flex=True)
     assert any(not torch.equal(a, b) for a, b in zip(wrong.at, plan.at))
+
+
+def _plan_tensors(plan):
+    lays = [t for lay in plan.layouts or [] for t in (lay.start, lay.last, *lay.tables)]
+    return lays + [w for w in (plan.within or [])[1:]] + list(plan.at)
+
+
+@pytest.mark.parametrize("trim", ["backbone", "loss", "none"])
+def test_host_plan_survives_its_upload(monkeypatch, trim):
+    """The plan as a GPU batch gets it (packed into ``_upload``'s buffers, rebuilt in
+    order; forced on the CPU through ``_sends_plan``) equals the plan kept on the host.
+    For none / loss every step shares one every-row layout, built and sent once, equal
+    to ``packed_layout`` of every row. Negative control: tensors rebuilt in another
+    order than sent differ."""
+    B = 3
+    f, lm, *_ = make_batch("random30", B)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    host = ttt_module._plan_steps(rm, trim, f, flex=True)
+    monkeypatch.setattr(ttt_module, "_sends_plan", lambda device: True)
+    sent = []
+    real = ttt_module._upload
+    monkeypatch.setattr(ttt_module, "_upload", lambda ts, d: (sent.append(len(ts)), real(ts, d))[1])
+    moved = ttt_module._plan_steps(rm, trim, f, flex=True)
+    a, b = _plan_tensors(host), _plan_tensors(moved)
+    assert sent and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    if trim != "backbone":
+        assert all(lay is moved.layouts[0] for lay in moved.layouts)
+        every = ttt_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
+                                         ttt_module._key_len(B * S))
+        assert all(torch.equal(x, y) for x, y in zip(
+            (every.start, every.last, *every.tables), _plan_tensors(host)[:2 + len(every.tables)]))
+        assert sent[0] == 2 + len(every.tables)  # one layout sent, not k
+    monkeypatch.setattr(ttt_module, "_upload", lambda ts, d: real(ts[::-1], d)[::-1][1:] + real(ts[:1], d))
+    shuffled = _plan_tensors(ttt_module._plan_steps(rm, trim, f, flex=True))
+    assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, shuffled))
+
+
+def test_packed_flex_attention_checks_its_layout():
+    """A layout planned for another step's rows is refused, not silently padded."""
+    f, lm, *_ = make_batch("random30", 2)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    plan = ttt_module._plan_steps(rm, "backbone", f, flex=True)
+    rows = computed_rows(rm)
+    j = next(j for j in range(1, K) if rows[j].numel() != rows[0].numel())
+    q = torch.zeros(rows[j].numel(), 2, 4)
+    k0 = torch.zeros(2 * S, 1, 4)
+    with pytest.raises(ValueError, match="layout is for"):
+        ttt_module.packed_flex_attention(q, rows[j], ttt_module.packed_keys(k0, k0), None,
+                                         f.attention_mask.sum(1), S, plan.layouts[0])
 
 
 def test_host_plan_runs_on_one_thread(monkeypatch):

@@ -520,7 +520,10 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
 def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
     """``FLEX_KERNEL_OPTIONS`` (the tuning hook ``benchmarks/attention.py`` sweeps) is
     handed, as a copy, to FlexAttention calls on CUDA; CPU calls and an unset hook get
-    ``None`` (inductor's defaults)."""
+    ``None`` (inductor's defaults). The options reach the FlexAttention call itself
+    (a spy on it, with the device test forced): fails if the keyword is dropped."""
+    import torch.nn.attention.flex_attention as flex_module
+
     import eagle3fn.ttt as ttt_module
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -530,3 +533,14 @@ def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
     got = ttt_module.flex_kernel_options(cuda)
     assert got == options and got is not options
     assert ttt_module.flex_kernel_options(cpu) is None
+
+    seen = []
+    real = flex_module.flex_attention
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, kernel_options=None, **k: (
+        seen.append(kernel_options), real(*a, **k))[1])
+    monkeypatch.setattr(ttt_module, "flex_kernel_options", lambda device: dict(options))
+    S, rows = 8, torch.arange(8)
+    k0 = torch.randn(S, 1, 4)
+    ttt_module.packed_flex_attention(torch.randn(S, 2, 4), rows, ttt_module.packed_keys(k0, k0),
+                                     None, torch.tensor([S]), S)
+    assert seen == [options]

@@ -588,7 +588,8 @@ def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool) -> float:
 
 
 def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str | None = None,
-                     hops: int | None = None, fused: bool | None = None) -> float:
+                     hops: int | None = None, fused: bool | None = None,
+                     shared_mask: bool = False) -> float:
     """Bytes the attention call of step j keeps for backward, for ``m`` query rows
     (default every row, ``B*C``). ``kind`` and ``hops`` (earlier ring blocks seen)
     default to the planned rank's, ``fused`` to ``_fused()``.
@@ -597,7 +598,9 @@ def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str |
     (Qp = ``m`` rounded up to a query bucket, ``ttt.packed_query_len``), the fp32
     log-sum-exp and row maximum ``[1, h, Qp]``, the block mask, the merge of
     the diagonal keys (``_merge_saved``) and, at step 0 only, the packed step-0 keys
-    and values ``[1, g, Lp, d]`` (shared by every step). eager / ring: the dense
+    and values ``[1, g, Lp, d]`` (shared by every step); ``shared_mask``: the steps
+    share one every-row layout (``trim`` none / loss), whose block mask and windows
+    are counted at step 0 only. eager / ring: the dense
     ``[B, h, C, d]`` queries (trimmed rows are zeros there) and explicit scores."""
     b, B, C = args.dtype_bytes, args.batch, args.own_rows
     h, g, d = args.heads, args.kv_heads, args.d
@@ -608,7 +611,8 @@ def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str |
         Lp, Qp = _packed_len(args), _query_len(args, m)
         lse = Qp * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
         keys = 2 * Lp * g * d * b if j == 0 else 0
-        return 2 * Qp * h * d * b + lse + _flex_mask_bytes(Qp, Lp) + keys + _merge_saved(args, j, m, fused)
+        mask = _flex_mask_bytes(Qp, Lp) if j == 0 or not shared_mask else 0
+        return 2 * Qp * h * d * b + lse + mask + keys + _merge_saved(args, j, m, fused)
     vec = B * C * h * d * b
     # matmul folds [B, h, C, d] queries laid out as [B, C, h, d] without a copy only
     # when B = 1; the diagonal terms keep the queries themselves from step 1 on
@@ -676,7 +680,7 @@ def _backbone_saved(args: PlanArgs, rows: Rows, fused: bool) -> tuple[list[float
     saved, attn = [], []
     for j in range(k):
         m = rows.layer_rows[j]
-        a = _attention_saved(args, j, m, fused=fused)
+        a = _attention_saved(args, j, m, fused=fused, shared_mask=not trimmed)
         n = R if j == 0 else m  # rows whose norms and q/k/v input step j computes
         norms = _norm_saved(args, n, fused, input_grad=False) + _norm_saved(args, n, fused)
         s = norms + n * 2 * H * b + 2 * n * d * b

@@ -104,6 +104,9 @@ class TTTConfig:
             raise ValueError(f"loss_impl must be 'auto', 'torch' or 'triton', got {self.loss_impl!r}")
         if self.attention not in ("auto", "eager", "flex"):
             raise ValueError(f"attention must be 'auto', 'eager' or 'flex', got {self.attention!r}")
+        if not math.isfinite(self.auto_backbone_fraction):
+            raise ValueError(f"auto_backbone_fraction must be a finite number (below 0: never "
+                             f"backbone, 1 or more: always), got {self.auto_backbone_fraction}")
         if self.auto_min_rows < 0:
             raise ValueError(f"auto_min_rows must be >= 0, got {self.auto_min_rows}")
 
@@ -291,7 +294,7 @@ def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: 
     queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
     of the backward come from the same ranges (``_transposed_tables``), not from a
     dense mask and a sort. ``tables``: ``block_tables`` of these windows, already
-    computed (``packed_layouts`` builds them on the host)."""
+    computed (``_plan_steps`` builds them on the host)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if tables is None:
@@ -368,6 +371,9 @@ def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Ten
     """``tensors`` (host, int32/int64) on ``device`` in one copy per dtype: packed into
     one pinned buffer, each segment starting at a 64-byte boundary (compiled kernels
     take them as inputs), sent with ``non_blocking``."""
+    odd = {t.dtype for t in tensors} - {torch.int64, torch.int32}
+    if odd:
+        raise TypeError(f"_upload sends int32/int64 tensors only, got {sorted(map(str, odd))}")
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype in (torch.int64, torch.int32):
         mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
@@ -398,38 +404,37 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor,
                   num_rows: int) -> list[PackedLayout | None]:
     """``packed_layout`` of each step's rows (host tensors; ``None``: every row), None
-    for a step without rows."""
+    for a step without rows. The every-row layout is built once and shared by the
+    steps that use it (``trim`` none / loss: every step)."""
     Lp = _key_len(lengths_B.numel() * num_rows)
-    every = torch.arange(lengths_B.numel() * num_rows)
-    return [None if r is not None and not r.numel()
-            else packed_layout(every if r is None else r, lengths_B, num_rows, Lp) for r in rows]
+    every: list[PackedLayout] = []
+
+    def of_every_row() -> PackedLayout:
+        if not every:
+            every.append(packed_layout(torch.arange(lengths_B.numel() * num_rows), lengths_B,
+                                       num_rows, Lp))
+        return every[0]
+    return [of_every_row() if r is None else None if not r.numel()
+            else packed_layout(r, lengths_B, num_rows, Lp) for r in rows]
+
+
+def _distinct(layouts: Sequence[PackedLayout | None]) -> list[PackedLayout]:
+    """The layouts, each shared one once (by identity), in order of first use."""
+    return list({id(lay): lay for lay in layouts if lay is not None}.values())
 
 
 def _layout_tensors(layouts: Sequence[PackedLayout | None]) -> list[torch.Tensor]:
-    return [t for lay in layouts if lay is not None for t in (lay.start, lay.last, *lay.tables)]
+    """The tensors of the distinct layouts, in the order ``_rebuild_layouts`` takes them."""
+    return [t for lay in _distinct(layouts) for t in (lay.start, lay.last, *lay.tables)]
 
 
 def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[PackedLayout | None]:
-    """The layouts with their tensors taken in order from the iterator ``sent``."""
-    return [None if lay is None else PackedLayout(
-        lay.num_queries, next(sent), next(sent), tuple(next(sent) for _ in lay.tables))
-        for lay in layouts]
-
-
-@_one_thread
-def packed_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
-                   device: torch.device) -> list[PackedLayout | None]:
-    """The ``PackedLayout`` of every step at once, computed on the host and sent to
-    ``device`` in two copies (one download of the row lists first when they live
-    there): per step a few dozen tiny index kernels fewer on the GPU, the launches that
-    made the trimmed step host-bound. ``rows[j]``: step j's sorted flat query rows
-    (``None``: every row). None where a step has no rows."""
-    host = _to_host([lengths_B] + [r for r in rows if r is not None])
-    listed = iter(host[1:])
-    layouts = _host_layouts([None if r is None else next(listed) for r in rows], host[0], num_rows)
-    if torch.device(device).type == "cpu":
-        return layouts
-    return _rebuild_layouts(layouts, iter(_upload(_layout_tensors(layouts), torch.device(device))))
+    """The layouts with their tensors taken in order from the iterator ``sent``
+    (``_layout_tensors``' order); a layout shared by steps stays shared."""
+    rebuilt = {id(lay): PackedLayout(lay.num_queries, next(sent), next(sent),
+                                     tuple(next(sent) for _ in lay.tables))
+               for lay in _distinct(layouts)}
+    return [None if lay is None else rebuilt[id(lay)] for lay in layouts]
 
 
 @dataclass(frozen=True)
@@ -455,6 +460,12 @@ def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
 
 
+def _sends_plan(device: torch.device) -> bool:
+    """Whether ``_plan_steps`` uploads its host tensors (every device but the CPU; tests
+    force it on the CPU to check the packing)."""
+    return device.type != "cpu"
+
+
 @_one_thread
 def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool) -> _StepPlan:
     """The ``_StepPlan`` of a batch: on a GPU, the row lists it needs come down in one
@@ -477,7 +488,7 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool) -> _S
     if flex:
         layouts = _host_layouts(comp_h if computed is not None else [None] * rowmap.ttt_length,
                                 lengths_h, C)
-    if device.type == "cpu":
+    if not _sends_plan(device):
         return _StepPlan(layouts, within, at)
     moved = (_layout_tensors(layouts) if flex else []) + (
         [w for w in within[1:]] + at if computed is not None else [])
@@ -547,7 +558,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         lengths_B: int ``[B]`` real rows per sample (right padding).
         num_rows: C.
         layout: ``packed_layout(rows_N, lengths_B, num_rows, Lp)``, when already built
-            (``packed_layouts`` plans every step on the host); else built here.
+            (``_plan_steps`` plans every step on the host); else built here.
 
     Returns:
         ``[N, h, d]`` in ``q``'s dtype.
@@ -561,6 +572,9 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         return q_NhD.new_zeros(N, h, d)
     if layout is None:
         layout = packed_layout(rows_N, lengths_B, num_rows, Lp)
+    elif layout.num_queries != N:
+        raise ValueError(f"the layout is for {layout.num_queries} query rows but q has {N}: "
+                         "pass the layout of this step's rows (_plan_steps)")
     start, last = layout.start, layout.last
     Qp = start.shape[0]
 
@@ -592,7 +606,7 @@ def _row_attention(attention: AttentionImpl, attend, features: Features, valid_B
     (``diagonal = (k, v)``, each ``[j, N, g, d]`` aligned with the rows; None at j = 0).
 
     The one-rank FlexAttention path (``attention="flex"``, or ``auto`` on CUDA) packs
-    the queries (``packed_flex_attention``; ``layouts[j]`` from ``packed_layouts`` when
+    the queries (``packed_flex_attention``; ``layouts[j]`` from ``_plan_steps`` when
     given, else built per step). Otherwise the queries are placed in zero
     ``[B, h, C, d]`` tensors for ``attend`` (``Collectives.attend`` under sequence
     parallelism, else ``eager_attention``), whose other rows' outputs are dropped."""
@@ -654,7 +668,9 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: i
 
     def layer_rest(q, g, rows, diagonal, j):  # attention, o_proj and MLP of rows
         a = attend_rows(q, rows, diagonal, j)
-        # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T).
+        # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T). o_proj
+        # and down_proj are read as weights, so forward hooks on those modules do not
+        # fire (neither has a bias).
         r = torch.addmm(g, a.reshape(a.shape[0], cfg.num_heads * cfg.d), attn.o_proj.weight.t())
         x = layer.post_attention_layernorm(r)
         mlp = layer.mlp
