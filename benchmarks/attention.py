@@ -13,10 +13,9 @@ convention); the diagonal keys are O(rows). ``--densities 1`` is every row.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
-
-import json
 
 import torch
 import tyro

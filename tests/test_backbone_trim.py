@@ -224,7 +224,8 @@ def test_host_plan_survives_its_upload(monkeypatch, trim):
         assert all(torch.equal(x, y) for x, y in zip(
             (every.start, every.last, *every.tables), _plan_tensors(host)[:2 + len(every.tables)]))
         assert sent[0] == 2 + len(every.tables)  # one layout sent, not k
-    monkeypatch.setattr(ttt_module, "_upload", lambda ts, d: real(ts[::-1], d)[::-1][1:] + real(ts[:1], d))
+    rotated = lambda ts, d: (lambda out: out[1:] + out[:1])(real(ts, d))  # noqa: E731
+    monkeypatch.setattr(ttt_module, "_upload", rotated)
     shuffled = _plan_tensors(ttt_module._plan_steps(rm, trim, f, flex=True))
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, shuffled))
 

@@ -407,14 +407,9 @@ def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor,
     for a step without rows. The every-row layout is built once and shared by the
     steps that use it (``trim`` none / loss: every step)."""
     Lp = _key_len(lengths_B.numel() * num_rows)
-    every: list[PackedLayout] = []
-
-    def of_every_row() -> PackedLayout:
-        if not every:
-            every.append(packed_layout(torch.arange(lengths_B.numel() * num_rows), lengths_B,
-                                       num_rows, Lp))
-        return every[0]
-    return [of_every_row() if r is None else None if not r.numel()
+    every = None if all(r is not None for r in rows) else packed_layout(
+        torch.arange(lengths_B.numel() * num_rows), lengths_B, num_rows, Lp)
+    return [every if r is None else None if not r.numel()
             else packed_layout(r, lengths_B, num_rows, Lp) for r in rows]
 
 
