@@ -29,7 +29,7 @@ import eagle3fn.ttt as ttt_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.ttt import TTTConfig, choose_trim, ttt
 from eagle3fn.vocab import build_vocab_map
 from timing import cuda_timed
 
@@ -381,10 +381,14 @@ def measure(args: BenchArgs) -> tuple[float, list[dict]]:
                     else:
                         step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
                     extra = {}
+                    if mode == "auto":  # the path trim="auto" takes on this batch
+                        rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
+                        extra["took"] = choose_trim(rm, TTTConfig(draft=cfg, ttt_length=args.ttt_length,
+                                                                  trim="auto"))
                     try:
                         ms, gib = timed(step, args.warmup, args.iters)
                         if args.diagnose:
-                            extra = diagnose(step, args.iters)
+                            extra.update(diagnose(step, args.iters))
                         if args.host_profile:
                             host_profile_step(step, args.host_profile, f"S={S} {density} {pattern} mode={mode}")
                         if args.profile:
@@ -409,11 +413,12 @@ def report(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
     base = {key(r): r["median_ms"] for r in rows if r["mode"] == "specforge"}
     print(f"\nbf16 8192^3 matmul: {ceiling:.0f} TFLOP/s; kernel {platform.release()}")
     extra = ("host_ms", "busy_ms", "kernels", "syncs") if args.diagnose else ()
-    print(f"{'S':>7} {'density':>8} {'pattern':>10} {'mode':>10} {'median ms':>10} {'peak GiB':>9} "
+    print(f"{'S':>7} {'density':>8} {'pattern':>10} {'mode':>13} {'median ms':>10} {'peak GiB':>9} "
           f"{'vs SpecForge':>13}" + "".join(f" {e:>8}" for e in extra))
     for r in rows:
         ratio = r["median_ms"] / base[key(r)] if key(r) in base else float("nan")
-        print(f"{r['S']:>7} {r['density']:>8.0%} {r['pattern']:>10} {r['mode']:>10} "
+        mode = r["mode"] + (f"/{r['took']}" if "took" in r else "")  # auto/<path it took>
+        print(f"{r['S']:>7} {r['density']:>8.0%} {r['pattern']:>10} {mode:>13} "
               f"{r['median_ms']:>10.1f} {r['peak_gib']:>9.2f} {ratio:>12.2f}x"
               + "".join(f" {r.get(e, float('nan')):>8}" for e in extra))
 

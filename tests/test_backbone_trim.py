@@ -130,22 +130,62 @@ def test_flex_backbone_forward_equals_eager_on_cpu():
     torch.testing.assert_close(out["flex"].acc, out["eager"].acc)
 
 
-def test_auto_picks_by_computed_rows_and_stays_exact():
-    """trim="auto": backbone when the computed layer rows are at most the calibrated
-    fraction of k*B*C, else none; either way the one-rank full result."""
+def brute_fractions(mask, attention_mask):
+    """(computed, supervised) fractions of k*B*C by loops over the supervision mask:
+    step j supervises own row s - j for every supervised s, and computes the rows some
+    step >= j supervises (step 0 also those of step 1's union)."""
+    sup = supervised_mask(mask, attention_mask)
+    B, T = sup.shape
+    need = [set() for _ in range(K)]
+    for b in range(B):
+        for s in range(T):
+            for j in range(K):
+                if sup[b, s] and 0 <= s - j < T:
+                    need[j].add((b, s - j))
+    computed = [set().union(*need[j:]) for j in range(K)]
+    computed[0] = need[0] | computed[1] if K > 1 else need[0]
+    total = K * B * T
+    return sum(map(len, computed)) / total, sum(map(len, need)) / total
+
+
+def auto_mismatches() -> list:
+    """Where ``choose_trim`` disagrees with the rule computed by loops: backbone iff
+    (1 - w) * computed + w * supervised <= auto_backbone_fraction, just above and just
+    below that boundary, for tail / all / empty / scattered masks and w in {0, 0.45, 1}."""
     from eagle3fn.ttt import TTTConfig, choose_trim
 
-    for family in ("tail", "all", "empty"):
-        f, lm, params, d2t, t2d = batch = make_batch(family, 3)
+    wrong = []
+    for family in ("tail", "all", "empty", "random30"):
+        f, lm, *_ = make_batch(family, 3)
         rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-        fraction = sum(c.numel() for c in computed_rows(rm)) / (K * rm.denominator)
-        for theta, want in ((fraction, "backbone"), (fraction - 0.01, "none")):
-            config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta,
-                               auto_min_rows=0)
-            assert choose_trim(rm, config) == want, (family, theta)
+        computed, supervised = brute_fractions(lm, f.attention_mask)
+        for share in (0.0, 0.45, 1.0):
+            score = (1 - share) * computed + share * supervised
+            for theta, want in ((score + 1e-12, "backbone"), (score - 1e-6, "none")):
+                config = TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_backbone_fraction=theta,
+                                   auto_loss_share=share, auto_min_rows=0)
+                if choose_trim(rm, config) != want:
+                    wrong.append((family, share, want))
+    return wrong
+
+
+def test_auto_picks_by_its_score_and_stays_exact(monkeypatch):
+    """trim="auto" resolves as the loop-counted rule of ``auto_mismatches`` and either
+    path gives the one-rank full result. Negative control: a score on the computed
+    rows alone (the session-7 rule) is caught on the scattered mask."""
+    from eagle3fn.ttt import TTTConfig, choose_trim
+
+    assert auto_mismatches() == []
+    for family in ("random30", "tail"):
+        f, lm, params, d2t, t2d = batch = make_batch(family, 3)
+        computed, supervised = brute_fractions(lm, f.attention_mask)
+        for theta in (0.55 * computed + 0.45 * supervised, -1.0):
             assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta, auto_min_rows=0),
                         run(*batch, trim="none"), 1e-10, 1e-10)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
     assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="none")) == "none"
+    monkeypatch.setattr(ttt_module, "auto_score", lambda computed, supervised, share: computed)
+    assert "random30" in {family for family, share, _ in auto_mismatches() if share > 0}
 
 
 def test_auto_takes_the_full_path_below_min_rows():
@@ -162,8 +202,12 @@ def test_auto_takes_the_full_path_below_min_rows():
     assert choose_trim(rm, auto(rows + 1)) == "none"
     assert TTTConfig(draft=CFG).auto_min_rows == 4096
     assert TTTConfig(draft=CFG).auto_backbone_fraction == 0.85
+    assert TTTConfig(draft=CFG).auto_loss_share == 0.45
     with pytest.raises(ValueError, match="auto_min_rows"):
         auto(-1)
+    for share in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="auto_loss_share"):
+            TTTConfig(draft=CFG, auto_loss_share=share)
     with pytest.raises(ValueError, match="auto_backbone_fraction"):
         TTTConfig(draft=CFG, auto_backbone_fraction=float("nan"))
 

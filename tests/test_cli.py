@@ -40,7 +40,7 @@ FLAGS = {
     "export": {"--run", "--out", "--dtype"},
     "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",
              "--untrained", "--no-untrained"},
-    "plan": {"--attention", "--auto-backbone-fraction", "--auto-min-rows", "--batch", "--density", "--draft-vocab",
+    "plan": {"--attention", "--auto-backbone-fraction", "--auto-loss-share", "--auto-min-rows", "--batch", "--density", "--draft-vocab",
              "--dtype-bytes", "--gpu-memory-gib", "--head-chunk-rows", "--head-dim", "--heads",
              "--hidden", "--intermediate", "--kv-heads", "--loss-impl", "--no-optimizer", "--optimizer",
              "--pattern", "--seq-len", "--sp", "--target-hidden", "--teacher-chunk-size", "--trim",

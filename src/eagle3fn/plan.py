@@ -132,8 +132,11 @@ class PlanArgs:
     """``none``, ``loss``, ``backbone`` or ``auto`` (as ``TTTConfig.trim``; ``auto`` is
     resolved per rank by ``ttt.choose_trim``)."""
     auto_backbone_fraction: float = _TTT_DEFAULTS["auto_backbone_fraction"]
-    """``trim="auto"``: backbone when its layer rows are at most this fraction of
-    ``k*B*C`` (``TTTConfig.auto_backbone_fraction``)."""
+    """``trim="auto"``: backbone when its cost score is at most this
+    (``TTTConfig.auto_backbone_fraction``)."""
+    auto_loss_share: float = _TTT_DEFAULTS["auto_loss_share"]
+    """``trim="auto"``: the score's weight on the supervised rows against the computed
+    layer rows (``TTTConfig.auto_loss_share``)."""
     auto_min_rows: int = _TTT_DEFAULTS["auto_min_rows"]
     """``trim="auto"``: fewer own rows ``B*C`` than this take the full path
     (``TTTConfig.auto_min_rows``)."""
@@ -189,6 +192,8 @@ class PlanArgs:
             raise ValueError(f"sp={self.sp} exceeds seq_len={self.seq_len}; use fewer ranks")
         if self.gpu_memory_gib <= 0:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if not 0.0 <= self.auto_loss_share <= 1.0:
+            raise ValueError(f"auto_loss_share must be in [0, 1], got {self.auto_loss_share}")
 
     @property
     def d(self) -> int:
@@ -471,26 +476,30 @@ def _rows_from_counts(args: PlanArgs, rank: int) -> tuple:
     return loss, tuple(c for c, _ in comp), tuple(b for _, b in comp), float(B * q * max(0, s_hi + 1))
 
 
-def _auto_choice(args: PlanArgs, computed: tuple[float, ...], rowmap=None) -> str:
+def _auto_choice(args: PlanArgs, loss: tuple[float, ...], computed: tuple[float, ...],
+                 rowmap=None) -> str:
     """``trim="auto"`` as ``ttt.choose_trim`` decides it: on the real row map when there
-    is one, else its rule on counts (backbone iff ``B*C >= auto_min_rows`` and the
-    computed layer rows are at most ``auto_backbone_fraction`` of ``k*B*C``; the other
-    path is read from ``choose_trim`` itself, on a row map where backbone cannot win)."""
+    is one, else its rule on counts (backbone iff ``B*C >= auto_min_rows`` and
+    ``ttt.auto_score`` of the computed and supervised fractions of ``k*B*C`` is at most
+    ``auto_backbone_fraction``; the other path is read from ``choose_trim`` itself, on a
+    row map where backbone cannot win)."""
     from eagle3fn.draft import DraftConfig
-    from eagle3fn.ttt import choose_trim
+    from eagle3fn.ttt import auto_score, choose_trim
 
     draft = DraftConfig(hidden_size=8, intermediate_size=8, num_heads=1, num_kv_heads=1,
                         vocab_size=2, draft_vocab_size=2)
     config = TTTConfig(draft=draft, ttt_length=args.ttt_length, trim="auto",
                        auto_backbone_fraction=args.auto_backbone_fraction,
-                       auto_min_rows=args.auto_min_rows)
+                       auto_loss_share=args.auto_loss_share, auto_min_rows=args.auto_min_rows)
     if rowmap is not None:
         return choose_trim(rowmap, config)
     rows = args.batch * args.own_rows
-    if rows >= args.auto_min_rows and sum(computed) <= args.auto_backbone_fraction * args.ttt_length * rows:
+    total = args.ttt_length * rows
+    if rows >= args.auto_min_rows and auto_score(
+            sum(computed) / total, sum(loss) / total, args.auto_loss_share) <= args.auto_backbone_fraction:
         return "backbone"
     every = build_rowmap(torch.ones(1, args.ttt_length + 1, dtype=torch.bool), args.ttt_length)
-    return choose_trim(every, dataclasses.replace(config, auto_backbone_fraction=0.0))
+    return choose_trim(every, dataclasses.replace(config, auto_backbone_fraction=-1.0))
 
 
 def plan_rows(args: PlanArgs, rank: int = 0) -> Rows:
@@ -507,7 +516,7 @@ def plan_rows(args: PlanArgs, rank: int = 0) -> Rows:
     else:
         loss, computed, blocks, U = _rows_from_counts(args, rank)
         exact = args.pattern == "tail"
-    trim = args.trim if args.trim != "auto" else _auto_choice(args, computed, rowmap)
+    trim = args.trim if args.trim != "auto" else _auto_choice(args, loss, computed, rowmap)
     if trim != "backbone":  # every row's query, at every step
         computed = (float(B * C),) * k
         blocks = (_packed_blocks(torch.arange(B * C), C, _real_rows(args, rank)),) * k

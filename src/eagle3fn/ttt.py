@@ -56,15 +56,28 @@ class TTTConfig:
     ``backbone``: also the layer itself only where a loss needs it: step 0 computes
     keys/values for every row and the rest for ``rows_0 | backbone_rows_1``, step
     ``j >= 1`` only ``backbone_rows_j`` (SPEC section 6; exact). ``auto``: per batch,
-    ``backbone`` when the batch has at least ``auto_min_rows`` rows and the rows the
-    trimmed layer computes are at most ``auto_backbone_fraction`` of all, else
-    ``none`` (``choose_trim``)."""
+    ``backbone`` when the batch has at least ``auto_min_rows`` rows and its cost
+    score (the rows the trimmed layer computes and the supervised rows, weighted by
+    ``auto_loss_share``) is at most ``auto_backbone_fraction``, else ``none``
+    (``choose_trim``)."""
     auto_backbone_fraction: float = 0.85
-    """``trim="auto"``: the largest fraction of the ``k*B*C`` layer rows at which the
-    trimmed backbone still beats the full path. Calibrated on an H200 at 8B shapes
-    (docs/benchmarks.md, session 7): at 8192 backbone against none was 0.80x at
-    fraction 0.6, 0.99x at 0.8 and 1.07x at 0.9 (tail), 0.94x at 0.91 (scattered), and
-    1.12-1.15x at 1.0 (100% density, at 2048, 8192 and 32768)."""
+    """``trim="auto"``: the largest cost score at which the trimmed backbone still
+    beats the full path. The score is ``(1 - w) * f + w * d`` with ``f`` the fraction of
+    the ``k*B*C`` layer rows the trimmed path computes, ``d`` the fraction that is
+    supervised (``sum_j n_j / (k*B*C)``) and ``w = auto_loss_share``; for tail
+    supervision ``f = d`` and the score is the density. Calibrated on an H200 at 8B
+    shapes (docs/benchmarks.md, sessions 7 and 8): at 8192 tail backbone against none
+    was 0.80x at 0.6, 0.99x at 0.8 and 1.07x at 0.9, and 1.12-1.15x at 1.0 (100%
+    density, at 2048, 8192 and 32768)."""
+    auto_loss_share: float = 0.45
+    """``trim="auto"``: ``w``, the share of the trimmed path's variable cost that goes
+    with the supervised rows (head, loss, the queries' attention) rather than with
+    every computed layer row. Scattered supervision computes many more layer rows than
+    it supervises (at 60%: f = 0.91, d = 0.6), and there the trimmed path still wins
+    (backbone/none 0.93x at 8192 and 32768, session 8). A least-squares fit of
+    ``ratio = c + a*f + b*d`` over 19 measured (f, d) points at 8192 and 32768 gave
+    ``b / (a + b) = 0.46`` and the tail crossing ``(1 - c) / (a + b) = 0.84``. 0 decides
+    on the computed rows alone (the session-7 rule)."""
     auto_min_rows: int = 4096
     """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
     full path whatever its density. Short steps are bound by kernel launches on the
@@ -107,6 +120,9 @@ class TTTConfig:
         if not math.isfinite(self.auto_backbone_fraction):
             raise ValueError(f"auto_backbone_fraction must be a finite number (below 0: never "
                              f"backbone, 1 or more: always), got {self.auto_backbone_fraction}")
+        if not 0.0 <= self.auto_loss_share <= 1.0:
+            raise ValueError(f"auto_loss_share must be in [0, 1] (0: decide on the computed rows "
+                             f"alone), got {self.auto_loss_share}")
         if self.auto_min_rows < 0:
             raise ValueError(f"auto_min_rows must be >= 0, got {self.auto_min_rows}")
 
@@ -727,11 +743,10 @@ def computed_rows(rowmap: RowMap) -> tuple[torch.Tensor, ...]:
 
 def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
     """The path ``trim="auto"`` takes for this batch: ``none`` below
-    ``config.auto_min_rows`` own rows (launch-bound), else ``backbone`` when the layer rows
-    it computes (``sum_j |computed_rows_j|``, keys/values of step 0 aside) are at most
-    ``config.auto_backbone_fraction`` of ``k*B*C``, else ``none`` (measured on the
-    H200: near full density the untrimmed path beats both trimmed ones, whose
-    gathers and chunked head then cost more than they save). Any other
+    ``config.auto_min_rows`` own rows (launch-bound), else ``backbone`` when its cost
+    score (``auto_score``) is at most ``config.auto_backbone_fraction``, else ``none``
+    (measured on the H200: near full density the untrimmed path beats both trimmed
+    ones, whose gathers and chunked head then cost more than they save). Any other
     ``config.trim`` is returned as is."""
     if config.trim != "auto":
         return config.trim
@@ -739,7 +754,17 @@ def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
         return "none"
     total = rowmap.ttt_length * rowmap.batch_size * rowmap.num_rows
     computed = sum(c.numel() for c in computed_rows(rowmap))
-    return "backbone" if computed <= config.auto_backbone_fraction * total else "none"
+    supervised = sum(r.numel() for r in rowmap.rows)
+    score = auto_score(computed / total, supervised / total, config.auto_loss_share)
+    return "backbone" if score <= config.auto_backbone_fraction else "none"
+
+
+def auto_score(computed: float, supervised: float, loss_share: float) -> float:
+    """``trim="auto"``'s cost score ``(1 - w) * computed + w * supervised``, both
+    fractions of the ``k*B*C`` layer rows (keys/values of step 0 aside): the
+    trimmed backbone's time relative to the full path grows about linearly in each
+    (``TTTConfig.auto_loss_share``)."""
+    return (1.0 - loss_share) * computed + loss_share * supervised
 
 
 def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
