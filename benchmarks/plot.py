@@ -24,14 +24,23 @@ class PlotArgs:
     """Inputs and output of the plot."""
 
     inputs: tuple[str, ...]
-    """JSON files written by benchmarks/step.py --json."""
+    """JSON files written by benchmarks/step.py --json; where two give the same (S,
+    pattern, mode, density), the later one is drawn."""
     out: str = "docs/img/trim-modes.png"
     """PNG to write."""
 
 
+def load_rows(paths: tuple[str, ...]) -> list[dict]:
+    """The result rows of ``paths``, one per (S, pattern, mode, density): where two
+    files give the same point the later file's is kept; out-of-memory rows (NaN ms)
+    are dropped."""
+    latest = {(r["S"], r["pattern"], r["mode"], r["density"]): r
+              for path in paths for r in json.loads(Path(path).read_text())["results"]}
+    return [r for r in latest.values() if r["median_ms"] == r["median_ms"]]
+
+
 def main(args: PlotArgs) -> None:
-    rows = [r for path in args.inputs for r in json.loads(Path(path).read_text())["results"]
-            if r["median_ms"] == r["median_ms"]]  # NaN = out of memory
+    rows = load_rows(args.inputs)
     panels = sorted({(r["S"], r["pattern"]) for r in rows})
     height = len(panels) * (PANEL + MARGIN) + MARGIN
     px = [bytearray(b"\xff" * 3 * WIDTH) for _ in range(height)]
