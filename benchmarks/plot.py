@@ -33,7 +33,8 @@ class PlotArgs:
 def load_rows(paths: tuple[str, ...]) -> list[dict]:
     """The result rows of ``paths``, one per (S, pattern, mode, density): where two
     files give the same point the later file's is kept; out-of-memory rows (NaN ms)
-    are dropped."""
+    are dropped (a later out-of-memory row hides an earlier file's point: the later
+    code did not fit)."""
     latest = {(r["S"], r["pattern"], r["mode"], r["density"]): r
               for path in paths for r in json.loads(Path(path).read_text())["results"]}
     return [r for r in latest.values() if r["median_ms"] == r["median_ms"]]

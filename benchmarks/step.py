@@ -133,9 +133,21 @@ def draft_config(args: BenchArgs) -> DraftConfig:
                        draft_vocab_size=args.draft_vocab)
 
 
-def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
+def step_config(args, cfg, trim) -> TTTConfig:
+    """The TTT config of an eagle3fn mode's step."""
     chunk = {} if args.head_chunk_rows is None else dict(head_chunk_rows=args.head_chunk_rows)
-    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex", **chunk)
+    return TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex", **chunk)
+
+
+def auto_path(args, cfg, features, loss_mask) -> str:
+    """The path ``trim="auto"`` takes on this batch (its row map is freed on return,
+    so it does not count in the timed step's peak)."""
+    rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
+    return choose_trim(rm, step_config(args, cfg, "auto"))
+
+
+def eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, trim):
+    config = step_config(args, cfg, trim)
     if args.optimizer:
         return training_step(args, config, params, features, loss_mask, d2t, t2d)
 
@@ -381,10 +393,8 @@ def measure(args: BenchArgs) -> tuple[float, list[dict]]:
                     else:
                         step = eagle3fn_step(args, cfg, params, features, loss_mask, d2t, t2d, mode)
                     extra = {}
-                    if mode == "auto":  # the path trim="auto" takes on this batch
-                        rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
-                        extra["took"] = choose_trim(rm, TTTConfig(draft=cfg, ttt_length=args.ttt_length,
-                                                                  trim="auto"))
+                    if mode == "auto":
+                        extra["took"] = auto_path(args, cfg, features, loss_mask)
                     try:
                         ms, gib = timed(step, args.warmup, args.iters)
                         if args.diagnose:

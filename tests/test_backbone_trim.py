@@ -179,11 +179,14 @@ def test_auto_picks_by_its_score_and_stays_exact(monkeypatch):
     for family in ("random30", "tail"):
         f, lm, params, d2t, t2d = batch = make_batch(family, 3)
         computed, supervised = brute_fractions(lm, f.attention_mask)
-        for theta in (0.55 * computed + 0.45 * supervised, -1.0):
-            assert_same(run(*batch, trim="auto", auto_backbone_fraction=theta, auto_min_rows=0),
-                        run(*batch, trim="none"), 1e-10, 1e-10)
-    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+        knobs = dict(auto_backbone_fraction=0.55 * computed + 0.45 * supervised + 1e-12,
+                     auto_loss_share=0.45, auto_min_rows=0)
+        rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+        assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="auto", **knobs)) == "backbone"
+        assert_same(run(*batch, trim="auto", **knobs), run(*batch, trim="none"), 1e-10, 1e-10)
     assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="none")) == "none"
+    empty = build_rowmap(torch.zeros(0, 5, dtype=torch.bool), K)  # no rows: nothing to trim
+    assert choose_trim(empty, TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_min_rows=0)) == "none"
     monkeypatch.setattr(ttt_module, "auto_score", lambda computed, supervised, share: computed)
     assert "random30" in {family for family, share, _ in auto_mismatches() if share > 0}
 

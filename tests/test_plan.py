@@ -444,14 +444,16 @@ def test_auto_weighs_supervised_rows(closed_form, monkeypatch):
     8192 and 32768), on the computed rows alone (share 0) none, row map or closed form."""
     if closed_form:
         monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
-    want = {}
-    for share in (0.0, PlanArgs().auto_loss_share):
-        args = PlanArgs(**{**SMALL, "seq_len": 2000, "density": 0.6, "ttt_length": 7}, pattern="scattered", trim="auto",
-                        auto_min_rows=0, auto_loss_share=share)
-        want[share] = plan_rows(args).trim
-    assert want == {0.0: "none", 0.45: "backbone"}
-    with pytest.raises(ValueError, match="auto_loss_share"):
-        PlanArgs(auto_loss_share=2.0)
+    default = PlanArgs().auto_loss_share
+    took = {}
+    for share in (0.0, default):
+        args = PlanArgs(**{**SMALL, "seq_len": 2000, "density": 0.6, "ttt_length": 7},
+                        pattern="scattered", trim="auto", auto_min_rows=0, auto_loss_share=share)
+        took[share] = plan_rows(args).trim
+    assert took == {0.0: "none", default: "backbone"}
+    for bad in (2.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="auto_loss_share"):
+            PlanArgs(auto_loss_share=bad)
 
 
 def test_parameter_counts_equal_init_params():

@@ -481,8 +481,7 @@ def _auto_choice(args: PlanArgs, loss: tuple[float, ...], computed: tuple[float,
     """``trim="auto"`` as ``ttt.choose_trim`` decides it: on the real row map when there
     is one, else its rule on counts (backbone iff ``B*C >= auto_min_rows`` and
     ``ttt.auto_score`` of the computed and supervised fractions of ``k*B*C`` is at most
-    ``auto_backbone_fraction``; the other path is read from ``choose_trim`` itself, on a
-    row map where backbone cannot win)."""
+    ``auto_backbone_fraction``, else none)."""
     from eagle3fn.draft import DraftConfig
     from eagle3fn.ttt import auto_score, choose_trim
 
@@ -498,8 +497,7 @@ def _auto_choice(args: PlanArgs, loss: tuple[float, ...], computed: tuple[float,
     if rows >= args.auto_min_rows and auto_score(
             sum(computed) / total, sum(loss) / total, args.auto_loss_share) <= args.auto_backbone_fraction:
         return "backbone"
-    every = build_rowmap(torch.ones(1, args.ttt_length + 1, dtype=torch.bool), args.ttt_length)
-    return choose_trim(every, dataclasses.replace(config, auto_backbone_fraction=-1.0))
+    return "none"
 
 
 def plan_rows(args: PlanArgs, rank: int = 0) -> Rows:
