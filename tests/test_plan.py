@@ -621,3 +621,12 @@ def test_plan_module_imports_no_distributed():
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if "distributed" in n or "parallel" in n]
     assert pathlib.Path(plan_module.__file__).read_text().isascii()
+
+
+def test_sequence_parallel_plan_says_what_it_models():
+    """A sequence-parallel plan of the GPU path says that its attention is the eager
+    ring's upper bound (the flex ring path is not modelled); one-rank and eager plans
+    do not carry the note."""
+    for attention, sp, noted in (("auto", 2, True), ("flex", 2, True), ("eager", 2, False), ("auto", 1, False)):
+        text = format_plan(estimate(small(sp=sp, seq_len=600, attention=attention)))
+        assert (plan_module.SP_FLEX_NOTE in text) == noted, (attention, sp)

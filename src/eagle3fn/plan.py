@@ -527,7 +527,9 @@ def plan_rows(args: PlanArgs, rank: int = 0) -> Rows:
 # ---- memory ------------------------------------------------------------------------
 
 def _attention_kind(args: PlanArgs) -> str:
-    """``flex``, ``eager`` or ``ring`` (the sequence-parallel attention)."""
+    """``flex``, ``eager`` or ``ring`` (the sequence-parallel attention, modelled as
+    its eager path: explicit scores; on CUDA training takes the flex ring path, whose
+    memory is linear in the rows and is not modelled yet: ``SP_FLEX_NOTE``)."""
     if args.sp > 1:
         return "ring"
     return "flex" if args.attention in ("auto", "flex") else "eager"
@@ -958,7 +960,16 @@ def format_plan(plan: Plan) -> str:
         f"attention {f.attention / 1e12:.1f}, head {f.head / 1e12:.1f}, "
         f"teacher {f.teacher / 1e12:.1f})",
     ]
+    if a.sp > 1 and a.attention != "eager":
+        lines.append(SP_FLEX_NOTE)
     return "\n".join(lines)
+
+
+SP_FLEX_NOTE = ("note: sp > 1 is planned with the eager ring attention (explicit scores, "
+                "memory ~C*S); on CUDA training runs the flex ring path "
+                "(seqpar.ring_block_attention, memory linear in the rows), which this plan does "
+                "not model yet: its attention figures are an upper bound there")
+"""The line ``format_plan`` adds for a sequence-parallel plan of the GPU path."""
 
 
 def plan(args: PlanArgs) -> None:

@@ -550,7 +550,7 @@ def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tenso
 
 def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
                           diagonal: tuple[torch.Tensor, torch.Tensor] | None, lengths_B: torch.Tensor,
-                          num_rows: int, layout: PackedLayout | None = None) -> torch.Tensor:
+                          num_rows: int, layout: PackedLayout | None = None, return_lse: bool = False):
     """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
     (the one-rank GPU path of every trim mode).
 
@@ -572,16 +572,25 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         layout: ``packed_layout(rows_N, lengths_B, num_rows, Lp)``, when already built
             (``_plan_steps`` plans every step on the host); else built here.
 
+        return_lse: also return the natural log-sum-exp ``[N, h]`` (fp32) of each
+            row's scaled scores over its keys (``-inf`` where it sees none); only with
+            ``diagonal=None`` (the sequence-parallel ring merges blocks by it).
+
     Returns:
-        ``[N, h, d]`` in ``q``'s dtype.
+        ``[N, h, d]`` in ``q``'s dtype (and the log-sum-exp with ``return_lse``).
     """
     from torch.nn.attention.flex_attention import flex_attention
+
+    if return_lse and diagonal is not None:
+        raise ValueError("return_lse is for the step-0 keys alone: merge the diagonal keys "
+                         "after the blocks (merge_diagonal)")
 
     N, h, d = q_NhD.shape
     K, V = keys
     Lp = K.shape[2]
     if N == 0:
-        return q_NhD.new_zeros(N, h, d)
+        empty = q_NhD.new_zeros(N, h, d)
+        return (empty, q_NhD.new_zeros(N, h, dtype=torch.float32)) if return_lse else empty
     if layout is None:
         layout = packed_layout(rows_N, lengths_B, num_rows, Lp)
     elif layout.num_queries != N:
@@ -600,6 +609,8 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
                       return_lse=True, kernel_options=flex_kernel_options(q_NhD.device))
     o = out[0, :, :N].transpose(0, 1)
+    if return_lse:
+        return o, lse[0, :, :N].transpose(0, 1)
     if diagonal is None:
         return o
     return merge_diagonal(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from eagle3fn import ttt as ttt_module
 from eagle3fn.parallel.mesh import Layout
 from eagle3fn.shapes import Features, StepTerms
 from eagle3fn.ttt import Collectives
@@ -199,6 +200,116 @@ def _partial_attention(q, k, v, allowed, diag=()):
     return out, lse
 
 
+def _prefix_lengths(valid_BS: torch.Tensor) -> torch.Tensor:
+    """Real rows per sample of a right-padded validity mask ``[B, S]`` (int64 ``[B]``);
+    a mask that is not a prefix is refused (the flex path sees keys ``0..n-1``)."""
+    n = valid_BS.sum(1)
+    prefix = torch.arange(valid_BS.shape[1], device=valid_BS.device)[None] < n[:, None]
+    if not torch.equal(prefix, valid_BS):
+        raise ValueError("sequence-parallel FlexAttention needs right-padded attention masks "
+                         "(real tokens first); left-pad or gaps found: pad on the right, or "
+                         "run the eager attention (SequenceParallelAttention(impl='eager'))")
+    return n
+
+
+def _merge_blocks(o, lse, o_t, lse_t):
+    """Merge two partial attentions by log-sum-exp: ``o [N, h, d]`` (any dtype) with
+    natural log-sum-exp ``lse [N, h]`` (fp32; ``-inf``: the row saw no key there). The
+    weights are fp32 ``[N, h]``, the weighted sum is in ``o``'s dtype (as the eager
+    merge), so nothing ``[N, h, d]``-sized is kept in fp32. NaN-free when both are
+    ``-inf`` (the result is 0 with ``-inf``); the shift by the larger ``lse`` is a
+    constant of the maths, so it carries no gradient."""
+    top = torch.maximum(lse, lse_t).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w, w_t = torch.exp(lse - top), torch.exp(lse_t - top)
+    denom = w + w_t
+    seen = denom > 0
+    safe = torch.where(seen, denom, torch.ones_like(denom))
+    out = (w / safe).to(o.dtype)[..., None] * o + (w_t / safe).to(o.dtype)[..., None] * o_t
+    return out, torch.where(seen, top + torch.log(safe), torch.full_like(top, -math.inf))
+
+
+def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         earlier: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+                         diag: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), impl: str = "eager",
+                         cache: dict | None = None) -> torch.Tensor:
+    """The EAGLE-3 step attention of one (super-)chunk's queries over its own step-0 keys
+    (causal), the step-0 keys of earlier chunks (in full) and each row's diagonal keys,
+    merged by log-sum-exp: the local part of ``SequenceParallelAttention``, with no
+    communication.
+
+    Args:
+        q: ``[B, hq, S, d]`` queries (RoPE applied) at their own positions.
+        own: ``(k, v, valid)``: this chunk's step-0 keys/values ``[B, g, S, d]`` and key
+            validity ``[B, S]`` bool; query ``i`` sees own keys ``<= i`` that are valid.
+        earlier: ``(k, v, valid)`` of each earlier chunk (same shapes), seen wherever valid.
+        diag: ``(k, v)`` ``[B, g, S, d]`` per step ``1..j``: each row's own keys.
+        impl: ``eager`` (explicit ``[B, hq, S, S]`` scores, fp32 softmax, any device and
+            dtype, autograd) or ``flex`` (FlexAttention per block with block-sparse
+            tables, memory linear in S, the diagonal keys merged by
+            ``ttt.merge_diagonal``; needs right-padded validity; backward on CUDA only).
+        cache: a dict kept across the steps of one batch (the flex path packs each
+            block's keys and builds its layout once; they are the same at every step).
+
+    Returns:
+        ``[B, hq, S, d]`` in ``q``'s dtype.
+    """
+    if impl == "flex":
+        return _flex_blocks(q, own, earlier, diag, {} if cache is None else cache)
+    if impl != "eager":
+        raise ValueError(f"impl must be 'eager' or 'flex', got {impl!r}")
+    hq, S = q.shape[1], q.shape[2]
+    expand = lambda x: x.repeat_interleave(hq // x.shape[1], dim=1)  # noqa: E731
+    k0, v0, valid = own
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & valid[:, None, None, :]
+    out, lse = _partial_attention(q, expand(k0), expand(v0), allowed,
+                                  [(expand(k), expand(v)) for k, v in diag])
+    for k_t, v_t, valid_t in earlier:
+        o_t, lse_t = _partial_attention(q, expand(k_t), expand(v_t), valid_t[:, None, None, :])
+        total = torch.logaddexp(lse, lse_t)
+        out = (torch.exp(lse - total)[..., None].to(out.dtype) * out
+               + torch.exp(lse_t - total)[..., None].to(out.dtype) * o_t)
+        lse = total
+    return out
+
+
+def _flex_blocks(q, own, earlier, diag, cache):
+    """``ring_block_attention``'s flex path: rows flattened to ``N = B*S`` packed
+    queries (``ttt.packed_flex_attention``), one BlockMask per block."""
+    B, hq, S, d = q.shape
+    N = B * S
+    flat = lambda x: x.transpose(1, 2).reshape(N, x.shape[1], d)  # noqa: E731  [B, h, S, d] -> [N, h, d]
+    q_N = flat(q)
+    if "blocks" not in cache:  # once per batch: packed keys, lengths and layouts of every block
+        rows = torch.arange(N, device=q.device)
+        Lp = ttt_module._key_len(N)
+        lengths = _prefix_lengths(own[2])
+        layout = ttt_module.packed_layout(rows, lengths, S, Lp)
+        blocks = [(ttt_module.packed_keys(flat(own[0]), flat(own[1])), lengths, layout)]
+        for k_t, v_t, valid_t in earlier:
+            n_t = _prefix_lengths(valid_t)
+            last = layout.start + n_t[layout.start // S] - 1  # the whole real block
+            blocks.append((ttt_module.packed_keys(flat(k_t), flat(v_t)), n_t,
+                           ttt_module.PackedLayout(N, layout.start, last,
+                                                   ttt_module.block_tables(layout.start, last, N, Lp))))
+        cache.update(rows=rows, blocks=blocks)
+    rows = cache["rows"]
+    out = lse = None
+    for keys, lengths, layout in cache["blocks"]:
+        o_t, lse_t = ttt_module.packed_flex_attention(q_N, rows, keys, None, lengths, S, layout,
+                                                      return_lse=True)
+        if out is None:
+            out, lse = o_t, lse_t
+        else:
+            out, lse = _merge_blocks(out, lse, o_t, lse_t)
+    if diag:
+        k_j = torch.stack([flat(k) for k, _ in diag])
+        v_j = torch.stack([flat(v) for _, v in diag])
+        out = ttt_module.merge_diagonal(out, lse, q_N, k_j, v_j, 1.0 / math.sqrt(d))
+    return out.view(B, S, hq, d).transpose(1, 2)
+
+
 class SequenceParallelAttention:
     """``Collectives.attend`` for one batch: the EAGLE-3 step attention with the
     sequence split over ``layout.ulysses * layout.ring`` ranks.
@@ -208,15 +319,23 @@ class SequenceParallelAttention:
     values of the super-chunk pass around the ring once per batch (they are the same
     at every step); each step's queries attend to the blocks of earlier ring ranks in
     full, to their own block causally plus their diagonal keys, and the partial
-    results merge by log-sum-exp. Create one per ``ttt`` call (it keeps the step-0
-    keys between steps).
+    results merge by log-sum-exp (``ring_block_attention``). Create one per ``ttt``
+    call (it keeps the step-0 keys between steps).
+
+    ``impl``: ``eager`` (explicit scores, any device: memory grows with ``C*S``),
+    ``flex`` (FlexAttention per block, memory linear in the rows; CUDA for training),
+    ``auto`` (flex on CUDA, else eager).
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, impl: str = "auto") -> None:
+        if impl not in ("auto", "eager", "flex"):
+            raise ValueError(f"impl must be 'auto', 'eager' or 'flex', got {impl!r}")
         self.layout = layout
+        self.impl = impl
         self._keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._valid = None
         self._ring = None
+        self._cache: dict = {}
 
     def _to_heads(self, x):
         if self.layout.ulysses == 1:
@@ -250,22 +369,12 @@ class SequenceParallelAttention:
                 valids = ring_pass(self._valid.to(torch.uint8), lay.group("ring"))  # no gradient
                 self._ring = [(kv, valid.bool()) for kv, valid in zip(blocks, valids)]
         qh = self._to_heads(q)
-        hq, S = qh.shape[1], qh.shape[2]
-        expand = lambda x: x.repeat_interleave(hq // x.shape[1], dim=1)  # noqa: E731
         k0, v0 = self._keys[0]
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        allowed = causal[None, None] & self._valid[:, None, None, :]
-        diag = [(expand(k), expand(v)) for k, v in self._keys[1:]]
-        out, lse = _partial_attention(qh, expand(k0), expand(v0), allowed, diag)
         # Ring rank r sees ranks r-1, ..., 0 in full (hops 1..r); later ranks are future.
-        for t in range(1, lay.ring_rank + 1):
-            kv, valid = self._ring[t]
-            o_t, lse_t = _partial_attention(qh, expand(kv[0]), expand(kv[1]),
-                                            valid[:, None, None, :])
-            total = torch.logaddexp(lse, lse_t)
-            out = (torch.exp(lse - total)[..., None].to(out.dtype) * out
-                   + torch.exp(lse_t - total)[..., None].to(out.dtype) * o_t)
-            lse = total
+        ring = self._ring[1:lay.ring_rank + 1] if self._ring else []
+        earlier = [(kv[0], kv[1], valid) for kv, valid in ring]
+        impl = self.impl if self.impl != "auto" else ("flex" if qh.is_cuda else "eager")
+        out = ring_block_attention(qh, (k0, v0, self._valid), earlier, self._keys[1:], impl, self._cache)
         if u == 1:
             return out
         return _UlyssesAllToAll.apply(out, lay.group("ulysses"), False)
