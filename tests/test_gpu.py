@@ -161,7 +161,7 @@ def _ring_run(dtype, impl, upstream):
 
 def test_sequence_parallel_flex_blocks_bf16_rule(monkeypatch):
     """The sequence-parallel attention's flex path (own block causal, two earlier ring
-    blocks, one of them all padding, three diagonal steps, B = 2 with padding, GQA,
+    blocks, one sample of one of them all padding, three diagonal steps, B = 2 with padding, GQA,
     S not a multiple of 128) against fp64 eager: its output and every gradient obey
     the bf16 rule beside the eager bf16 path. Negative control: a flex path that
     drops the earlier blocks breaks the rule."""
@@ -207,4 +207,4 @@ def test_sequence_parallel_flex_blocks_memory_is_linear():
     320 GiB per block (and quadruple with S)."""
     small, large = _ring_peak(16384), _ring_peak(32768)
     assert large <= 2.2 * small, (small, large)
-    assert large < 12, large
+    assert large < 8, large  # merging the blocks in fp32 took 10.81 GiB here

@@ -61,6 +61,7 @@ CASES = [  # (own lengths, earlier blocks' lengths, diagonal steps)
     ([200, 150], [[200, 200]], 2),
     ([120, 200], [[200, 200], [200, 77]], 3),
     ([200, 200], [[200, 0], [200, 200]], 1),
+    ([200, 0], [[200, 0]], 1),  # sample 1 sees no step-0 key at all: only its diagonal key
 ]
 
 
@@ -75,8 +76,54 @@ def test_block_attention_equals_dense_oracle(impl, own_n, earlier_n, num_diag):
         got = ring_block_attention(q, own, earlier, diag, impl)
     want = dense_oracle(q, own, earlier, diag)
     assert torch.isfinite(got).all()
-    tol = 1e-12 if impl == "eager" else 1e-6  # flex's CPU reference computes in fp32
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_flex_rows_that_see_nothing_are_zero():
+    """A row with no key at all (no step-0 key, no diagonal key: step 0 of an all-padding
+    sample) gets 0 from the flex path, finite (the eager path's masked softmax
+    averages the values there instead; such rows carry no loss)."""
+    q, own, earlier, diag = make([200, 0], [[200, 0]], 0)
+    with torch.no_grad():
+        got = ring_block_attention(q, own, earlier, diag, "flex")
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got[0], dense_oracle(q, own, earlier, diag)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_sequence_parallel_attention_flex_equals_eager_through_ttt():
+    """``SequenceParallelAttention(impl="flex")`` inside ``ttt`` (one-rank layout: the
+    own block, its cache reused across the k steps, the diagonal keys) gives the
+    eager implementation's losses and metrics; a flex path that drops the diagonal
+    keys does not."""
+    from test_ttt import CFG, K, make_batch
+
+    from eagle3fn.align import supervised_mask
+    from eagle3fn.parallel.mesh import Layout
+    from eagle3fn.rowmap import build_rowmap
+    from eagle3fn.ttt import Collectives, TTTConfig, ttt
+
+    f, lm, params, d2t, t2d = make_batch("random30", 2)
+    rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
+    layout = Layout(mesh=None, world_mesh=None, dp=1, ring=1, ulysses=1, dp_rank=0, ring_rank=0,
+                    ulysses_rank=0)
+
+    def run(impl):
+        coll = Collectives(attend=seqpar.SequenceParallelAttention(layout, impl=impl), reduce_terms=list,
+                           denominator=rm.denominator)
+        with torch.no_grad():
+            return ttt(params, f, rm, TTTConfig(draft=CFG, ttt_length=K, trim="backbone"), d2t=d2t, t2d=t2d,
+                       collectives=coll)
+
+    eager, flex = run("eager"), run("flex")
+    torch.testing.assert_close(flex.kl_loss, eager.kl_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(flex.acc, eager.acc)
+    real = seqpar.ttt_module.merge_diagonal
+    seqpar.ttt_module.merge_diagonal = lambda o, lse, q, k, v, scale: o
+    try:
+        broken = run("flex")
+    finally:
+        seqpar.ttt_module.merge_diagonal = real
+    assert (broken.kl_loss - eager.kl_loss).abs().max() > 1e-6
 
 
 def test_flex_negative_controls(monkeypatch):

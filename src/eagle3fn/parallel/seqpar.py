@@ -407,13 +407,16 @@ def reduce_terms(terms: Sequence[StepTerms], group=None) -> list[StepTerms]:
     return out
 
 
-def collectives(layout: Layout, denominator: int, device: torch.device) -> Collectives:
+def collectives(layout: Layout, denominator: int, device: torch.device,
+                attention: str = "auto") -> Collectives:
     """The ``Collectives`` of one batch: cross-rank attention when the sequence is
     split, the sums reduced over every rank, and the global ``local_mean`` divisor
-    (``denominator`` = this rank's ``B*C``, summed over ranks)."""
+    (``denominator`` = this rank's ``B*C``, summed over ranks). ``attention``: the
+    local attention's implementation (``TTTConfig.attention``: auto, eager, flex;
+    ``SequenceParallelAttention``)."""
     total = torch.tensor(denominator, dtype=torch.int64, device=device)
     dist.all_reduce(total)
-    attend = SequenceParallelAttention(layout) if layout.sp > 1 else None
+    attend = SequenceParallelAttention(layout, impl=attention) if layout.sp > 1 else None
     return Collectives(attend=attend, reduce_terms=reduce_terms, denominator=total)
 
 

@@ -397,7 +397,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
                                                  cfg.ttt_length, windowed=windowed)
         rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C)
         denominator = 0 if index >= len(order) else rowmap.denominator
-        return features, rowmap, collectives(layout, denominator, device)
+        return features, rowmap, collectives(layout, denominator, device, ttt_cfg.attention)
 
     last, tokens, t0 = {}, 0, time.perf_counter()
     while step < total and epoch < cfg.epochs:
