@@ -207,4 +207,4 @@ def test_sequence_parallel_flex_blocks_memory_is_linear():
     320 GiB per block (and quadruple with S)."""
     small, large = _ring_peak(16384), _ring_peak(32768)
     assert large <= 2.2 * small, (small, large)
-    assert large < 8, large  # merging the blocks in fp32 took 10.81 GiB here
+    assert large < 6, large  # 5.34 measured; fp32 merges took 10.81, a query copy per block 6.09

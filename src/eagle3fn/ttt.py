@@ -550,7 +550,8 @@ def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tenso
 
 def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
                           diagonal: tuple[torch.Tensor, torch.Tensor] | None, lengths_B: torch.Tensor,
-                          num_rows: int, layout: PackedLayout | None = None, return_lse: bool = False):
+                          num_rows: int, layout: PackedLayout | None = None, return_lse: bool = False,
+                          q_packed: torch.Tensor | None = None):
     """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
     (the one-rank GPU path of every trim mode).
 
@@ -575,6 +576,9 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         return_lse: also return the natural log-sum-exp ``[N, h]`` (fp32) of each
             row's scaled scores over its keys (``-inf`` where it sees none); only with
             ``diagonal=None`` (the sequence-parallel ring merges blocks by it).
+        q_packed: ``q_NhD`` already laid out as FlexAttention's query ``[1, h, Qp, d]``
+            (``pack_queries``): a caller attending the same queries to several key
+            blocks pads them once, and autograd keeps one copy.
 
     Returns:
         ``[N, h, d]`` in ``q``'s dtype (and the log-sum-exp with ``return_lse``).
@@ -603,7 +607,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
 
     block_mask = packed_block_mask(start, last, N, Lp, mask_mod, tables=layout.tables)
-    Q = F.pad(q_NhD, (0, 0, 0, 0, 0, Qp - N)).transpose(0, 1)[None].contiguous()
+    Q = pack_queries(q_NhD, Qp) if q_packed is None else q_packed
     attend = _compiled_flex() if q_NhD.is_cuda else flex_attention
     scale = 1.0 / math.sqrt(d)
     out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
@@ -614,6 +618,11 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
     if diagonal is None:
         return o
     return merge_diagonal(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)
+
+
+def pack_queries(q_NhD: torch.Tensor, num_packed: int) -> torch.Tensor:
+    """``[N, h, d]`` queries as FlexAttention's ``[1, h, Qp, d]`` (zeros past N)."""
+    return F.pad(q_NhD, (0, 0, 0, 0, 0, num_packed - q_NhD.shape[0])).transpose(0, 1)[None].contiguous()
 
 
 def _flex_path(attention: AttentionImpl, attend, features: Features) -> bool:

@@ -295,10 +295,11 @@ def _flex_blocks(q, own, earlier, diag, cache):
                                                    ttt_module.block_tables(layout.start, last, N, Lp))))
         cache.update(rows=rows, blocks=blocks)
     rows = cache["rows"]
+    q_packed = ttt_module.pack_queries(q_N, cache["blocks"][0][2].start.shape[0])  # once for all blocks
     out = lse = None
     for keys, lengths, layout in cache["blocks"]:
         o_t, lse_t = ttt_module.packed_flex_attention(q_N, rows, keys, None, lengths, S, layout,
-                                                      return_lse=True)
+                                                      return_lse=True, q_packed=q_packed)
         if out is None:
             out, lse = o_t, lse_t
         else:
