@@ -66,19 +66,19 @@ class TTTConfig:
     the ``k*B*C`` layer rows the trimmed path computes, ``d`` the fraction that is
     supervised (``sum_j n_j / (k*B*C)``) and ``w = auto_loss_share``; for tail
     supervision ``f ~ d`` (``f`` exceeds it by ``k(k-1)/2`` rows per sample) and the
-    score is about the density. Calibrated on an H200 at 8B
-    shapes (docs/benchmarks.md, sessions 7 and 8): at 8192 tail backbone against none
-    was 0.80x at 0.6, 0.99x at 0.8 and 1.07x at 0.9, and 1.12-1.15x at 1.0 (100%
-    density, at 2048, 8192 and 32768)."""
+    score is about the density. Calibrated on an H200 at 8B shapes (docs/benchmarks.md,
+    sessions 7 and 8): at 8192 tail backbone against none was 0.80x at 0.6, 0.99x at
+    0.8 and 1.07x at 0.9, and 1.12-1.15x at 1.0 (100% density, at 2048, 8192 and
+    32768)."""
     auto_loss_share: float = 0.45
     """``trim="auto"``: ``w``, the share of the trimmed path's variable cost that goes
     with the supervised rows (head, loss, the queries' attention) rather than with
     every computed layer row. Scattered supervision computes many more layer rows than
     it supervises (at 60%: f = 0.91, d = 0.6), and there the trimmed path still wins
-    (backbone/none 0.93-0.94x at 8192 and 32768, sessions 7 and 8). A least-squares fit of
-    ``ratio = c + a*f + b*d`` over 19 measured (f, d) points at 8192 and 32768 gave
-    ``b / (a + b) = 0.46`` and the tail crossing ``(1 - c) / (a + b) = 0.84``. 0 decides
-    on the computed rows alone (the session-7 rule)."""
+    (backbone/none 0.93-0.94x at 8192 and 32768, sessions 7 and 8). A least-squares
+    fit of ``ratio = c + a*f + b*d`` over 19 measured (f, d) points at 8192 and 32768
+    gave ``b / (a + b) = 0.46`` and the tail crossing ``(1 - c) / (a + b) = 0.84``. 0
+    decides on the computed rows alone (the session-7 rule)."""
     auto_min_rows: int = 4096
     """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
     full path whatever its density. Short steps are bound by kernel launches on the

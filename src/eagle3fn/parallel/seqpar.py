@@ -208,15 +208,15 @@ def _prefix_lengths(valid_BS: torch.Tensor) -> torch.Tensor:
     if not torch.equal(prefix, valid_BS):
         raise ValueError("sequence-parallel FlexAttention needs right-padded attention masks "
                          "(real tokens first); left-pad or gaps found: pad on the right, or "
-                         "run the eager attention (SequenceParallelAttention(impl='eager'))")
+                         "run the eager attention (TTTConfig(attention='eager'))")
     return n
 
 
 def _merge_blocks(o, lse, o_t, lse_t):
-    """Merge two partial attentions by log-sum-exp: ``o [N, h, d]`` (any dtype) with
-    natural log-sum-exp ``lse [N, h]`` (fp32; ``-inf``: the row saw no key there). The
-    weights are fp32 ``[N, h]``, the weighted sum is in ``o``'s dtype (as the eager
-    merge), so nothing ``[N, h, d]``-sized is kept in fp32. NaN-free when both are
+    """Merge two partial attentions by log-sum-exp: ``o [..., d]`` (any dtype) with
+    natural log-sum-exp ``lse [...]`` (fp32 or fp64; ``-inf``: the row saw no key
+    there). The weights are in ``lse``'s dtype, the weighted sum in ``o``'s, so nothing
+    ``[..., d]``-sized is kept in fp32. NaN-free when both are
     ``-inf`` (the result is 0 with ``-inf``); the shift by the larger ``lse`` is a
     constant of the maths, so it carries no gradient."""
     top = torch.maximum(lse, lse_t).detach()
@@ -266,11 +266,8 @@ def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor,
     out, lse = _partial_attention(q, expand(k0), expand(v0), allowed,
                                   [(expand(k), expand(v)) for k, v in diag])
     for k_t, v_t, valid_t in earlier:
-        o_t, lse_t = _partial_attention(q, expand(k_t), expand(v_t), valid_t[:, None, None, :])
-        total = torch.logaddexp(lse, lse_t)
-        out = (torch.exp(lse - total)[..., None].to(out.dtype) * out
-               + torch.exp(lse_t - total)[..., None].to(out.dtype) * o_t)
-        lse = total
+        out, lse = _merge_blocks(out, lse, *_partial_attention(q, expand(k_t), expand(v_t),
+                                                                valid_t[:, None, None, :]))
     return out
 
 
@@ -283,19 +280,20 @@ def _flex_blocks(q, own, earlier, diag, cache):
     q_N = flat(q)
     if "blocks" not in cache:  # once per batch: packed keys, lengths and layouts of every block
         rows = torch.arange(N, device=q.device)
-        Lp = ttt_module._key_len(N)
+        keys = ttt_module.packed_keys(flat(own[0]), flat(own[1]))
+        Lp = keys[0].shape[2]
         lengths = _prefix_lengths(own[2])
         layout = ttt_module.packed_layout(rows, lengths, S, Lp)
-        blocks = [(ttt_module.packed_keys(flat(own[0]), flat(own[1])), lengths, layout)]
+        blocks = [(keys, lengths, layout)]
         for k_t, v_t, valid_t in earlier:
             n_t = _prefix_lengths(valid_t)
             last = layout.start + n_t[layout.start // S] - 1  # the whole real block
             blocks.append((ttt_module.packed_keys(flat(k_t), flat(v_t)), n_t,
                            ttt_module.PackedLayout(N, layout.start, last,
                                                    ttt_module.block_tables(layout.start, last, N, Lp))))
-        cache.update(rows=rows, blocks=blocks)
+        cache.update(rows=rows, blocks=blocks, num_packed=layout.start.shape[0])
     rows = cache["rows"]
-    q_packed = ttt_module.pack_queries(q_N, cache["blocks"][0][2].start.shape[0])  # once for all blocks
+    q_packed = ttt_module.pack_queries(q_N, cache["num_packed"])  # once for all blocks
     out = lse = None
     for keys, lengths, layout in cache["blocks"]:
         o_t, lse_t = ttt_module.packed_flex_attention(q_N, rows, keys, None, lengths, S, layout,
