@@ -213,10 +213,10 @@ def _prefix_lengths(valid_BS: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_blocks(o, lse, o_t, lse_t):
-    """Merge two partial attentions by log-sum-exp: ``o [..., d]`` (any dtype) with
-    natural log-sum-exp ``lse [...]`` (fp32 or fp64; ``-inf``: the row saw no key
-    there). The weights are in ``lse``'s dtype, the weighted sum in ``o``'s, so nothing
-    ``[..., d]``-sized is kept in fp32. NaN-free when both are
+    """Merge two partial attentions by log-sum-exp (the flex path's): ``o [N, h, d]``
+    (any dtype) with natural log-sum-exp ``lse [N, h]`` (fp32; ``-inf``: the row saw no
+    key there). The weights are fp32 ``[N, h]``, the weighted sum is in ``o``'s dtype
+    (as the eager merge), so nothing ``[N, h, d]``-sized is kept in fp32. NaN-free when both are
     ``-inf`` (the result is 0 with ``-inf``); the shift by the larger ``lse`` is a
     constant of the maths, so it carries no gradient."""
     top = torch.maximum(lse, lse_t).detach()
@@ -265,9 +265,14 @@ def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor,
     allowed = causal[None, None] & valid[:, None, None, :]
     out, lse = _partial_attention(q, expand(k0), expand(v0), allowed,
                                   [(expand(k), expand(v)) for k, v in diag])
+    # The eager merge keeps its own form (logaddexp, weights in out's dtype): its lse is
+    # always finite, and the training tests' 1e-4 fp32 tolerance is set on its rounding.
     for k_t, v_t, valid_t in earlier:
-        out, lse = _merge_blocks(out, lse, *_partial_attention(q, expand(k_t), expand(v_t),
-                                                                valid_t[:, None, None, :]))
+        o_t, lse_t = _partial_attention(q, expand(k_t), expand(v_t), valid_t[:, None, None, :])
+        total = torch.logaddexp(lse, lse_t)
+        out = (torch.exp(lse - total)[..., None].to(out.dtype) * out
+               + torch.exp(lse_t - total)[..., None].to(out.dtype) * o_t)
+        lse = total
     return out
 
 
