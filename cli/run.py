@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from eagle3fn.errors import UsageError
+
+# Draft tokens per round at most: drafts accept a few per round, and a mistyped large
+# value would only make every round slower (for many minutes).
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(kw_only=True)
@@ -15,8 +23,17 @@ class ExportArgs:
     """The training run's out_dir (checkpoint.pt, vocab.safetensors)."""
     out: str = "runs/eagle3fn/draft"
     """Export directory (config.json, model.safetensors)."""
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Weights dtype in the export."""
+
+
+def _run_target(cfg: dict, *, weights: bool, tokenizer: bool) -> dict:
+    """The ``from_pretrained`` kwargs of a run's target after ``check_model_dir`` found
+    it where the run was trained from (a moved model is named with the run)."""
+    from eagle3fn.io.target import check_model_dir
+
+    check_model_dir(cfg["model"], cfg.get("gguf_file"), weights=weights, tokenizer=tokenizer)
+    return {"gguf_file": cfg["gguf_file"]} if cfg.get("gguf_file") else {}
 
 
 def export(args: ExportArgs) -> None:
@@ -27,8 +44,10 @@ def export(args: ExportArgs) -> None:
 
     run = load_run(args.run)
     cfg = run["config"]
-    kwargs = {"gguf_file": cfg["gguf_file"]} if cfg.get("gguf_file") else {}
-    target_config = AutoConfig.from_pretrained(cfg["model"], **kwargs).to_dict() if cfg.get("model") else None
+    target_config = None
+    if cfg.get("model"):  # only the config is read: the target's weights may be elsewhere
+        kwargs = _run_target(cfg, weights=False, tokenizer=False)
+        target_config = AutoConfig.from_pretrained(cfg["model"], **kwargs).to_dict()
     path = export_draft(args.out, run["params"], run["draft"], d2t=run["d2t"], t2d=run["t2d"],
                         aux_layer_ids=run["aux_layer_ids"], target_config=target_config,
                         dtype=getattr(torch, args.dtype))
@@ -45,7 +64,8 @@ class EvalArgs:
     num_prompts: int = 8
     """Prompts taken from the run's held-out conversations (the training run's
     eval_holdout); a run without any takes the last ones of its data, which it
-    trained on (then the result is optimistic, and says so)."""
+    trained on (then the result is optimistic, and says so). Asking for more than
+    there are is an error, never a silently smaller set."""
     num_draft_tokens: int = 6
     """Draft tokens proposed per round (k)."""
     max_new_tokens: int = 64
@@ -56,17 +76,41 @@ class EvalArgs:
     """Evaluate the draft the run started from (step 0: its initialisation with the
     run's seed) instead of the trained one: the baseline training is measured against."""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} is outside 1..{MAX_DRAFT_TOKENS} "
+                             "(draft tokens per round); pass e.g. --num-draft-tokens 6")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts {self.num_prompts} must be >= 1; pass e.g. --num-prompts 8")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1; pass e.g. "
+                             "--max-new-tokens 64")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature {self.temperature} must be a finite number >= 0 "
+                             "(0 = greedy); pass e.g. --temperature 0")
+
 
 def _prompts(run: dict, tok, num_prompts: int) -> tuple[list[torch.Tensor], bool]:
-    """Up to ``num_prompts`` prompts ``[1, L]`` and whether they are held out."""
+    """``num_prompts`` prompts ``[1, L]`` and whether they are held out. Raises
+    UsageError when the run has fewer: never evaluates on fewer than asked."""
     from eagle3fn.io.data import read_conversations
 
-    if run["holdout_prompts"]:
-        return [torch.tensor(p)[None] for p in run["holdout_prompts"][:num_prompts]], True
-    if not run["config"]["data"]:
-        raise ValueError(f"{num_prompts} prompts needed but the run has no held-out conversations "
+    held = run["holdout_prompts"]
+    if held:
+        if num_prompts > len(held):
+            raise UsageError(f"--num-prompts {num_prompts} but the run holds out {len(held)} "
+                             f"conversations; pass --num-prompts {len(held)} or less, or retrain "
+                             f"with --eval-holdout {num_prompts}")
+        return [torch.tensor(p)[None] for p in held[:num_prompts]], True
+    cfg = run["config"]
+    if not cfg["data"]:
+        raise UsageError(f"--num-prompts {num_prompts} but the run has no held-out conversations "
                          "and no data file (offline); retrain with --eval-holdout N")
-    conversations, _ = read_conversations(run["config"]["data"])
+    conversations, _ = read_conversations(cfg["data"], on_error=cfg.get("on_error", "raise"))
+    if num_prompts > len(conversations):
+        raise UsageError(f"--num-prompts {num_prompts} but the run's data {cfg['data']} has "
+                         f"{len(conversations)} conversations; pass --num-prompts "
+                         f"{len(conversations)} or less")
     prompts = []
     for conv in conversations[-num_prompts:]:
         first_answer = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
@@ -88,12 +132,12 @@ def evaluate(args: EvalArgs) -> dict:
 
     run = load_run(args.run)
     cfg = run["config"]
-    kwargs = {"gguf_file": cfg["gguf_file"]} if cfg.get("gguf_file") else {}
+    kwargs = _run_target(cfg, weights=True, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(cfg["model"], **kwargs)
+    prompts, held_out = _prompts(run, tok, args.num_prompts)  # before the target loads
     target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], **kwargs)
     trainable = initial_params(run, target) if args.untrained else run["params"]
     params = {**trainable, "embed_tokens.weight": target.embed_tokens.float()}
-    prompts, held_out = _prompts(run, tok, args.num_prompts)
     if not held_out:
         print(f"note: {args.run} has no held-out conversations (eval_holdout=0), so these prompts "
               "come from the end of its training data and the draft was trained on them; "

@@ -5,6 +5,7 @@ batch's padded length (its longest example).
 
 The stages, in order::
 
+    check_data_file(path)             exists, is a file, can be read (before any model loads)
     read_conversations(path)          JSONL lines -> Conversation (OpenAI roles), file:line
     tokenize_conversation(conv, tok)  chat template -> Example(input_ids [L], loss_mask [L])
     tokenize_file(path, tok)          both, with bad lines raised or skipped and counted
@@ -45,6 +46,7 @@ import jinja2
 import torch
 
 from eagle3fn.align import MaskAlignment, supervised_mask
+from eagle3fn.errors import UsageError
 
 OnError = Literal["raise", "skip"]
 
@@ -63,6 +65,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Stand-in contents for the span finder: first and last characters differ between the two.
 _PROBES = ("<eagle3fn probe a>", "[eagle3fn probe b]")
 _SKIP_HINT = "fix or remove the line, or pass on_error='skip' to skip bad lines"
+_UTF8_HINT = ("re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass "
+              "on_error='skip' to skip bad lines")
 _TAGS_HINT = (
     "add {% generation %}...{% endgeneration %} around assistant turns in "
     "tokenizer.chat_template, or pass on_error='skip'"
@@ -194,20 +198,53 @@ def _parse_line(obj: Any, source: str) -> Conversation:
     return Conversation(tuple(messages), tuple(tools) if tools else None, source)
 
 
+def check_data_file(path: str | os.PathLike) -> Path:
+    """``path`` as a Path after checking it is a readable file, so a wrong ``--data``
+    stops before any model is loaded. Raises FileNotFoundError when it does not exist,
+    UsageError when it is a directory or cannot be read."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"chat data file {str(path)!r} not found; pass a JSONL file "
+                                "(one conversation per line)")
+    if path.is_dir():
+        raise UsageError(f"chat data file {str(path)!r} is a directory; pass the JSONL file "
+                         "inside it (one conversation per line)")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise UsageError(f"chat data file {str(path)!r} cannot be read ({e.strerror}); fix its "
+                         "permissions or pass a readable JSONL file") from None
+    return path
+
+
+def _decode_error(line: str) -> str | None:
+    """Why ``line`` (read with ``errors="surrogateescape"``) is not UTF-8, or None."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # surrogateescape keeps each undecodable byte b as the code point U+DC00 + b
+        return f"byte 0x{ord(line[e.start]) - 0xDC00:02x} at character {e.start + 1}"
+    return None
+
+
 def _read(path: str | os.PathLike, on_error: OnError) -> tuple[list[Conversation], list[DataError]]:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"chat data file {str(path)!r} not found; pass a JSONL file")
+    path = check_data_file(path)
     conversations, errors, lines = [], [], 0
-    with path.open(encoding="utf-8") as f:
+    # Undecodable bytes become lone surrogates, so a bad line is reported (or skipped)
+    # with its number like any other bad line instead of stopping the whole read.
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             lines += 1
             source = f"{path}:{lineno}"
             try:
+                bad = _decode_error(line)
+                if bad is not None:
+                    raise DataError(source, f"not UTF-8 ({bad})", _UTF8_HINT)
                 try:
                     obj = json.loads(line.strip())
                 except json.JSONDecodeError as e:
@@ -233,9 +270,10 @@ def read_conversations(
 
     Returns ``(conversations, skipped)``. A bad line (malformed JSON, unknown role, no
     assistant turn, ...) raises ``DataError`` (a ValueError) naming ``file:line`` and the
-    fix, or with ``on_error="skip"`` is skipped and counted. An empty file, or one whose
-    every line is bad, raises ValueError in both modes. A missing file raises
-    FileNotFoundError.
+    fix, or with ``on_error="skip"`` is skipped and counted; so is a line that is not
+    UTF-8. An empty file, or one whose every line is bad, raises ValueError in both
+    modes. A missing file raises FileNotFoundError, a directory or unreadable file
+    UsageError (``check_data_file``).
     """
     conversations, errors = _read(path, on_error)
     return conversations, len(errors)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3fn.errors import UsageError
 from eagle3fn.shapes import Features
 
 # Config fields by which transformers models change their logits after lm_head
@@ -92,6 +93,53 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
             f"{num_layers}-layer target are not three increasing layers in "
             f"[0, {num_layers - 2}] (that needs N >= 7); {hint}"
         ) from None
+
+
+_MODEL_FIX = ("pass a local directory with a HF model: config.json + *.safetensors; hub ids are "
+              "not downloaded (fetch one with `hf download <repo> --local-dir <dir>`)")
+# Files of which a directory needs one for AutoTokenizer (fast, sentencepiece, BPE,
+# WordPiece, tiktoken vocabularies, or the config naming the tokenizer class).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "*.tiktoken")
+
+
+def check_model_dir(path: str | Path, gguf_file: str | None = None, *, weights: bool = True,
+                    tokenizer: bool = False) -> Path:
+    """``path`` as a Path after checking it holds a loadable local HF model, before
+    anything is loaded (transformers would read a missing path as a hub repo id).
+
+    Without ``gguf_file``: ``config.json``, and with ``weights`` a ``*.safetensors`` or
+    ``pytorch_model*.bin`` file, and with ``tokenizer`` one of ``_TOKENIZER_FILES``.
+    With ``gguf_file``: that file inside ``path``, which holds config, weights and
+    tokenizer. Raises FileNotFoundError naming the path, what is missing and the fix,
+    UsageError when ``path`` is a file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"target model path {str(path)!r} does not exist; {_MODEL_FIX}")
+    if not path.is_dir():
+        hint = (f"pass its directory {str(path.parent)!r} and the file name with --gguf-file "
+                f"{path.name}" if path.suffix == ".gguf" else _MODEL_FIX)
+        raise UsageError(f"target model path {str(path)!r} is a file, not a directory; {hint}")
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            found = sorted(p.name for p in path.glob("*.gguf"))
+            raise FileNotFoundError(
+                f"target model path {str(path)!r} holds no GGUF file {gguf_file!r} (GGUF files "
+                f"there: {found or 'none'}); pass --gguf-file with one of them, or drop it for a "
+                "HF directory")
+        return path
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if weights and not any(any(path.glob(g)) for g in ("*.safetensors", "pytorch_model*.bin")):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if tokenizer and not any(any(path.glob(g)) for g in _TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    if missing:
+        raise FileNotFoundError(
+            f"target model path {str(path)!r} holds no {' and no '.join(missing)}; {_MODEL_FIX}")
+    return path
 
 
 def _is_backbone(module) -> bool:
@@ -308,7 +356,8 @@ def load_target(
 
     Args:
         model_or_path: an ``nn.Module`` already built, or a local directory holding a HF
-            model (``config.json`` + weights). The class is the first of
+            model (``config.json`` + weights, or a GGUF file inside it named by the
+            ``gguf_file`` keyword; checked by ``check_model_dir``). The class is the first of
             AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel whose mapping
             (or the config's ``auto_map``) knows the model type.
         aux_layer_ids: three increasing output-of-layer ids; default
@@ -319,7 +368,8 @@ def load_target(
             ``trust_remote_code=True``, ``device_map="auto"``.
 
     Raises:
-        FileNotFoundError: the path does not exist or holds no ``config.json``.
+        FileNotFoundError: the path does not exist or holds no ``config.json`` or no
+            weights (``check_model_dir``; UsageError when it is a file).
         ValueError: no backbone / head found, bad aux ids, or the model transforms its
             logits after lm_head (softcapping, logit scale, lm_head bias), which a
             teacher streamed from ``final_hidden @ lm_head.T`` would not reproduce.
@@ -332,17 +382,13 @@ def load_target(
             )
         model = model_or_path
     else:
-        path = Path(model_or_path)
-        if not (path / "config.json").is_file():
-            what = "does not exist" if not path.exists() else "holds no config.json"
-            raise FileNotFoundError(
-                f"target model path {str(path)!r} {what}; pass a local directory with a HF "
-                "model (download it first, e.g. `hf download <repo> --local-dir <dir>`)"
-            )
+        gguf_file = from_pretrained_kwargs.get("gguf_file")
+        path = check_model_dir(model_or_path, gguf_file)
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(
-            path, trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False))
+            path, trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False),
+            **({"gguf_file": gguf_file} if gguf_file else {}))
         kwargs = dict(from_pretrained_kwargs)
         if "device_map" in kwargs and device is not None:
             raise ValueError(
