@@ -166,6 +166,18 @@ def test_rope_scaling_dicts_round_trip():
     assert rope_scaling_dict(ROPES["yarn"]) == {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    # gpt-oss style yarn (truncate off, explicit attention factor) and Phi-3 longrope keep
+    # every field through config.json (they were dropped: the reload differed).
+    import json
+
+    for rope in (RopeConfig(theta=150000.0, rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                            truncate=False, attention_factor=1.3),
+                 RopeConfig(theta=10000.0, rope_type="longrope", factor=32.0, original_max_position_embeddings=4096,
+                            short_factor=(1.0, 1.5), long_factor=(2.0, 3.0))):
+        written = json.loads(json.dumps(rope_scaling_dict(rope)))
+        assert RopeConfig.from_hf(rope.theta, written) == rope, written
+        changed = {**written, "attention_factor": 1.0}  # control: a dropped field is seen
+        assert RopeConfig.from_hf(rope.theta, changed) != rope
 
 
 # --- file layout and config ------------------------------------------------------------

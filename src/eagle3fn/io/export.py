@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig
+from eagle3fn.draft import ROPE_TYPE_KEYS, DraftConfig, Eagle3Draft, RopeConfig
 from eagle3fn.vocab import validate_vocab_map
 
 CONFIG = "config.json"
@@ -40,23 +40,17 @@ DEFAULT_MAX_POSITIONS = 2048
 target's config so the draft's rotary cache covers the target's context."""
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Keys of HF's rope_scaling dict that each RopeConfig type uses.
-_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-             "mscale", "mscale_all_dim"),
-}
-
 
 def rope_scaling_dict(rope: RopeConfig) -> dict | None:
     """HF ``rope_scaling`` of a RopeConfig (None for ``default``): ``rope_type`` plus
     the fields that type reads, all explicit (SpecForge has no yarn defaults)."""
     if rope.rope_type == "default":
         return None
-    fields = {k: getattr(rope, k) for k in _ROPE_KEYS[rope.rope_type]}
+    fields = {k: getattr(rope, k) for k in ROPE_TYPE_KEYS[rope.rope_type]}
+    # Written only where they differ from transformers' defaults (attention_factor
+    # derived, truncate on), so a draft without them exports as before.
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()
+              if not (k == "attention_factor" and v is None) and not (k == "truncate" and v)}
     return {"rope_type": rope.rope_type, **fields}
 
 
@@ -213,9 +207,17 @@ def export_draft(
             "unambiguous top-level ids); see docs/export.md", UserWarning, stacklevel=2)
 
     rope = cfg.rope
+    if rope.rope_type == "longrope" or (rope.rope_type == "yarn" and (not rope.truncate
+                                                                      or rope.attention_factor is not None)):
+        warnings.warn(
+            f"the draft's RoPE ({rope.rope_type}{', truncate false' if not rope.truncate else ''}"
+            f"{', attention_factor' if rope.attention_factor is not None else ''}) is written as "
+            "transformers defines it, but SGLang's yarn always truncates and scales attn_factor "
+            "differently, and SpecForge has neither these yarn fields nor longrope: check that your "
+            "engine computes these frequencies before serving (docs/export.md)", UserWarning, stacklevel=2)
     if "max_position_embeddings" in text:
         max_positions = int(text["max_position_embeddings"])
-    elif rope.rope_type in ("llama3", "yarn"):
+    elif rope.rope_type in ("llama3", "yarn", "longrope"):
         max_positions = int(rope.original_max_position_embeddings * rope.factor)
     else:
         max_positions = DEFAULT_MAX_POSITIONS
@@ -250,7 +252,8 @@ def draft_config_from_dict(config: dict) -> DraftConfig:
         target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
         rms_norm_eps=float(config["rms_norm_eps"]),
         rope=RopeConfig.from_hf(float(config.get("rope_theta", 10000.0)),
-                                config.get("rope_scaling")),
+                                config.get("rope_scaling"),
+                                max_position_embeddings=config.get("max_position_embeddings")),
         fc_norm=bool(config.get("fc_norm", False)),
         norm_output=bool(config.get("norm_output", True)),
     )
