@@ -1,12 +1,16 @@
-"""Data subcommands: ``vocab``, ``prepare``, ``regenerate`` (typed configs + library calls)."""
+"""Data subcommands: ``vocab``, ``prepare``, ``cache verify``, ``regenerate`` (typed configs +
+library calls)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
+from eagle3fn.errors import RunError, UsageError
+from eagle3fn.io.device import default_dtype, resolve_device
 from eagle3fn.io.regenerate import GenerationConfig
 
 
@@ -18,13 +22,21 @@ class ModelSource:
     """Directory with config.json / tokenizer files (no hub downloads)."""
     gguf_file: str | None = None
     """A GGUF file inside ``path`` to load from (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights dtype of the target."""
-    device: str = "cpu"
-    """Device to run the target on."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    device: str = "auto"
+    """Device to run the target on (auto: cuda when a GPU is visible, else cpu)."""
 
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def torch_device(self) -> torch.device:
+        """``device`` resolved (UsageError for cuda without a GPU)."""
+        return resolve_device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """``dtype`` resolved for ``device``."""
+        return default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)
@@ -42,7 +54,20 @@ class DataSource:
 def _tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
+    from eagle3fn.io.target import check_model_dir
+
+    check_model_dir(source.path, source.gguf_file, weights=False, tokenizer=True)
     return AutoTokenizer.from_pretrained(source.path, **source.kwargs())
+
+
+def _check_inputs(model: ModelSource, data: DataSource, *, weights: bool) -> None:
+    """The model directory (config, tokenizer, weights when they will be loaded) and the
+    data file, checked before anything loads."""
+    from eagle3fn.io.data import check_data_file
+    from eagle3fn.io.target import check_model_dir
+
+    check_model_dir(model.path, model.gguf_file, weights=weights, tokenizer=True)
+    check_data_file(data.path)
 
 
 @dataclass(kw_only=True)
@@ -67,6 +92,7 @@ def vocab(args: VocabArgs) -> None:
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.vocab_io import save_vocab_map, vocab_map_from_examples
 
+    _check_inputs(args.model, args.data, weights=False)
     tok = _tokenizer(args.model)
     V = args.vocab_size or AutoConfig.from_pretrained(args.model.path, **args.model.kwargs()).vocab_size
     examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
@@ -91,25 +117,87 @@ class PrepareArgs:
     """Conversations per shard."""
     aux_layer_ids: tuple[int, int, int] | None = None
     """Output-of-layer ids captured (default [1, N//2-1, N-4])."""
-    storage: Literal["bfloat16", "float32"] = "bfloat16"
-    """dtype of the cached aux features and final hidden."""
+    storage: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the cached aux features, final hidden and head (auto: bfloat16 when the
+    target runs on CUDA, float32 on the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size {self.batch_size}: a shard holds at least one "
+                             "conversation; pass --batch-size 1 or more")
 
 
 def prepare(args: PrepareArgs) -> None:
-    from eagle3fn.io.cache import prepare as write
+    """Check paths and a cache already in ``--out`` (by content fingerprint) before the
+    target is loaded, then write or resume the cache."""
+    from eagle3fn.io.cache import check_resumable, prepare as write
     from eagle3fn.io.data import tokenize_file
+    from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
     from eagle3fn.io.target import load_target
 
+    device = args.model.torch_device()
+    dtype = args.model.torch_dtype(device)
+    storage = default_dtype(device) if args.storage == "auto" else getattr(torch, args.storage)
+    _check_inputs(args.model, args.data, weights=True)
+    fingerprint = {"target": target_fingerprint(args.model.path, args.model.gguf_file),
+                   "target_dtype": str(dtype).removeprefix("torch."),
+                   "data": file_fingerprint(args.data.path), "max_length": args.data.max_length,
+                   "on_error": args.data.on_error}
+    given = {"batch_size": args.batch_size, "dtype": str(storage).removeprefix("torch.")}
+    if args.aux_layer_ids is not None:
+        given["aux_layer_ids"] = list(args.aux_layer_ids)
+    check_resumable(args.out, fingerprint | given)
     tok = _tokenizer(args.model)
-    target = load_target(args.model.path, aux_layer_ids=args.aux_layer_ids,
-                         dtype=getattr(torch, args.model.dtype), device=args.model.device,
+    target = load_target(args.model.path, aux_layer_ids=args.aux_layer_ids, dtype=dtype, device=device,
                          **args.model.kwargs())
     examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
                              on_error=args.data.on_error)
-    meta = {"model": asdict(args.model) | {"device": None}, "data": asdict(args.data),
-            "batch_size": args.batch_size, "aux_layer_ids": list(target.aux_layer_ids)}
     write(target, examples, args.out, batch_size=args.batch_size, pad_token_id=tok.pad_token_id or 0,
-          meta=meta, dtype=getattr(torch, args.storage))
+          fingerprint=fingerprint, dtype=storage)
+
+
+@dataclass(kw_only=True)
+class CacheArgs:
+    """Check an offline feature cache: ``eagle3fn cache verify DIR`` reads every shard
+    (exists, size and sha256 as the manifest says, loads, finite features), prints a
+    table and a summary, and exits 1 if any file is broken or the cache is unfinished."""
+
+    action: tyro.conf.Positional[Literal["verify"]]
+    """verify: check every file of the cache."""
+    dir: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]]
+    """The cache directory (the one eagle3fn prepare wrote)."""
+
+
+def cache(args: CacheArgs) -> None:
+    from eagle3fn.io.cache import verify_cache
+    from eagle3fn.io.fingerprint import short
+
+    report = verify_cache(args.dir)
+    m, fp = report.manifest, report.manifest["fingerprint"]
+    print(f"feature cache {args.dir} (format {m['format']}, {'complete' if m['complete'] else 'UNFINISHED'})")
+    print(f"{'file':<26} {'convs':>6} {'tokens':>9} {'bytes':>13}  status")
+    for f in report.files:
+        convs, tokens = (f.conversations, f.tokens) if f.name.startswith("shard") else ("-", "-")
+        print(f"{f.name:<26} {convs:>6} {tokens:>9} {f.bytes:>13}  "
+              f"{'BROKEN: ' + f.problem if f.problem else 'ok'}")
+    shards = [f for f in report.files if f.name.startswith("shard")]
+    bad = sum(1 for f in shards if f.problem)
+    print(f"shards: {len(shards) - bad} ok, {bad} broken; conversations "
+          f"{sum(f.conversations for f in shards)}; tokens {sum(f.tokens for f in shards)}; "
+          f"dtype {m['dtype']}; aux layer ids {fp.get('aux_layer_ids')}")
+    data = fp.get("data") or {}
+    print(f"target {short(fp['target']) if 'target' in fp else '-'}; data "
+          f"{data.get('sha256', '-')[:12]} ({data.get('bytes', '-')} bytes); max length "
+          f"{fp.get('max_length')}, on_error {fp.get('on_error')}, batch size {fp.get('batch_size')}, "
+          f"target dtype {fp.get('target_dtype')}")
+    fix = f"rerun eagle3fn prepare with the same settings and --out {args.dir} to rewrite them"
+    if report.broken:
+        raise RunError(f"{len(report.broken)} of {len(report.files)} files of the feature cache "
+                       f"{args.dir} are broken ({', '.join(f.name for f in report.broken)}); {fix}")
+    if not m["complete"]:
+        raise RunError(f"the feature cache {args.dir} is unfinished ({len(shards)} shards); rerun "
+                       f"eagle3fn prepare with the same settings and --out {args.dir} to finish it")
+    print("OK")
 
 
 @dataclass(kw_only=True)
@@ -132,9 +220,11 @@ def regenerate(args: RegenerateArgs) -> None:
     from eagle3fn.io.data import read_conversations
     from eagle3fn.io.regenerate import regenerate as run, write_jsonl
 
+    device = args.model.torch_device()
+    _check_inputs(args.model, args.data, weights=True)
     tok = _tokenizer(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model.path, dtype=getattr(torch, args.model.dtype),
-                                                 **args.model.kwargs()).to(args.model.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model.path, dtype=args.model.torch_dtype(device),
+                                                 **args.model.kwargs()).to(device).eval()
     conversations, skipped = read_conversations(args.data.path, on_error=args.data.on_error)
     new = run(conversations, model, tok, args.generation)
     n = write_jsonl(args.out, new, [c.tools for c in conversations])

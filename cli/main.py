@@ -3,6 +3,7 @@ library; formatting of tables is the only thing done here."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -12,6 +13,7 @@ import tyro
 
 import eagle3fn
 from eagle3fn.cli import data, run
+from eagle3fn.errors import Eagle3fnError
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.plan import PlanArgs, plan
@@ -68,6 +70,21 @@ class VerifyArgs:
     loss: LossConfig = field(default_factory=LossConfig)
     """The objective to check."""
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--batch", self.batch), ("--seeds", self.seeds),
+                            ("--ttt-length", self.ttt_length), ("--vocab", self.vocab)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be >= 1; e.g. {flag} 2")
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len {self.seq_len} must be >= 2 (a supervised position needs "
+                             "a next token); e.g. --seq-len 64")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"--density {self.density} must be in (0, 1] (the fraction of "
+                             "positions supervised); e.g. --density 0.3")
+        if not 1 <= self.draft_vocab <= self.vocab:
+            raise ValueError(f"--draft-vocab {self.draft_vocab} must be in 1..{self.vocab} (at most "
+                             f"--vocab); e.g. --draft-vocab {max(1, self.vocab // 4)}")
+
 
 def rowmap(args: RowmapArgs) -> None:
     mask = torch.tensor([[c == "1" for c in m] for m in args.mask])
@@ -84,6 +101,10 @@ def rowmap(args: RowmapArgs) -> None:
 
 
 def verify(args: VerifyArgs) -> None:
+    import math
+
+    from eagle3fn.errors import RunError
+
     dtype = getattr(torch, args.dtype)
     tol_loss, tol_grad = (1e-10, 1e-10) if dtype == torch.float64 else (1e-6, 1e-5)
     print(f"trimmed vs full length, {args.dtype}, B={args.batch} S={args.seq_len} V={args.vocab} "
@@ -98,12 +119,18 @@ def verify(args: VerifyArgs) -> None:
                            density=args.density, seed=seed, dtype=dtype, pattern=args.pattern)
         loss_end = compare_with_reference(case, args.loss)
         rows_trimmed, rows_full = loss_end.pop("rows_trimmed"), loss_end.pop("rows_full")
+        if rows_trimmed == 0:
+            raise RunError(f"seed {seed} compared 0 rows: no position of its batch is supervised "
+                           f"at --density {args.density} --seq-len {args.seq_len} --pattern "
+                           f"{args.pattern}; raise --density or --seq-len")
         checks = [("loss end vs dense oracle", loss_end),
                   ("TTT trim=loss vs trim=none", compare_ttt(case, args.loss, seed=seed))]
         for name, err in checks:
             grad = err.pop("grad")
-            loss = max(err.values())
-            worst = max(worst, loss / tol_loss, grad / tol_grad)
+            # NaN compares false with everything, so max() could drop it and PASS
+            loss = math.nan if any(map(math.isnan, err.values())) else max(err.values())
+            ratios = (loss / tol_loss, grad / tol_grad)
+            worst = max(worst, *ratios) if all(map(math.isfinite, ratios)) else math.inf
             print(f"{seed:>4} {name:>34} {loss:>27.2e} {grad:>13.2e} "
                   f"{rows_trimmed / rows_full:>13.1%}")
     verdict = "PASS" if worst <= 1 else "FAIL"
@@ -134,18 +161,48 @@ def train(args: TrainConfig) -> None:
 
 COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
             "vocab": (data.VocabArgs, data.vocab), "prepare": (data.PrepareArgs, data.prepare),
+            "cache": (data.CacheArgs, data.cache),
             "regenerate": (data.RegenerateArgs, data.regenerate),
             "export": (run.ExportArgs, run.export), "eval": (run.EvalArgs, run.evaluate),
             "plan": (PlanArgs, plan),
             "version": (VersionArgs, version)}
 
 
+# Errors shown as one line (no traceback): ours, and the standard ones our validation
+# raises or that name a path the user gave (a full disk, a missing or unreadable file).
+_USER_ERRORS = (Eagle3fnError, ValueError, OSError)
+
+
+def _exit_code(error: BaseException) -> int:
+    """2 for usage errors (bad flags, paths, inputs), 1 for faults found while running."""
+    if isinstance(error, Eagle3fnError):
+        return error.exit_code
+    return 2 if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError)) else 1
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``eagle3fn`` console command."""
+    """Entry point of the ``eagle3fn`` console command.
+
+    Errors after argument parsing print ``eagle3fn: error: <message>`` (one line) and
+    exit 2 (usage) or 1 (runtime); ``--debug`` anywhere on the command line, or
+    ``EAGLE3FN_DEBUG=1``, shows the traceback instead. Parse-time errors (a bad flag
+    value, a failed config check) are drawn by tyro and exit 2.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("EAGLE3FN_DEBUG", "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     args = tyro.extras.subcommand_cli_from_dict(
         {name: config for name, (config, _) in COMMANDS.items()},
         prog="eagle3fn",
         description="EAGLE-3 draft training that computes only what is supervised.",
         args=argv,
     )
-    next(run for config, run in COMMANDS.values() if isinstance(args, config))(args)
+    command = next(run for config, run in COMMANDS.values() if isinstance(args, config))
+    try:
+        command(args)
+    except _USER_ERRORS as error:
+        if debug:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"eagle3fn: error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(_exit_code(error))

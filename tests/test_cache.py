@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3fn.errors import UsageError
 from eagle3fn.io.cache import FeatureCache, bytes_per_token, write_cache
 from eagle3fn.shapes import Features
 
@@ -47,13 +48,13 @@ def features_fn(model):
     return run
 
 
-META = {"target": "tiny-llama", "aux_layer_ids": list(AUX)}
+FP = {"target": "tiny-llama", "aux_layer_ids": list(AUX)}
 
 
 def test_cached_batches_equal_the_online_ones(tmp_path):
     model = tiny_target()
     online = features_fn(model)
-    manifest = write_cache(tmp_path, batches(), online, meta=META, dtype=torch.float32, log=lambda s: None)
+    manifest = write_cache(tmp_path, batches(), online, fingerprint=FP, dtype=torch.float32, log=lambda s: None)
     assert manifest["complete"] and len(manifest["shards"]) == N_BATCHES
     cache = FeatureCache(tmp_path)
     assert len(cache) == N_BATCHES
@@ -73,7 +74,7 @@ def test_cached_batches_equal_the_online_ones(tmp_path):
 
 
 def test_bf16_storage_and_size_estimate(tmp_path):
-    write_cache(tmp_path, batches(), features_fn(tiny_target()), meta=META, log=lambda s: None)
+    write_cache(tmp_path, batches(), features_fn(tiny_target()), fingerprint=FP, log=lambda s: None)
     shard = load_file(str(tmp_path / "shard-000000.safetensors"))
     assert shard["aux"].dtype == torch.bfloat16 and shard["aux"].shape == (2, 10, 96)
     per_token = bytes_per_token(32)
@@ -92,7 +93,7 @@ def _killed_run(out_dir):
         if len(calls) == 3:
             os._exit(17)
         return run(batch)
-    write_cache(out_dir, batches(), dying, meta=META, log=lambda s: None)
+    write_cache(out_dir, batches(), dying, fingerprint=FP, log=lambda s: None)
 
 
 def test_killed_run_resumes_losing_only_the_shard_in_flight(tmp_path):
@@ -107,9 +108,9 @@ def test_killed_run_resumes_losing_only_the_shard_in_flight(tmp_path):
         FeatureCache(killed)
     run = features_fn(tiny_target())
     calls = []
-    write_cache(killed, batches(), lambda b: calls.append(1) or run(b), meta=META, log=lambda s: None)
+    write_cache(killed, batches(), lambda b: calls.append(1) or run(b), fingerprint=FP, log=lambda s: None)
     assert len(calls) == N_BATCHES - 2  # the two finished shards were not recomputed
-    write_cache(clean, batches(), run, meta=META, log=lambda s: None)
+    write_cache(clean, batches(), run, fingerprint=FP, log=lambda s: None)
     for name in sorted(p.name for p in clean.glob("*.safetensors")):
         a, b = load_file(str(killed / name)), load_file(str(clean / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
@@ -120,9 +121,9 @@ def test_bad_caches_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a feature cache"):
         FeatureCache(tmp_path)
     run = features_fn(tiny_target())
-    write_cache(tmp_path, batches(), run, meta=META, log=lambda s: None)
-    with pytest.raises(ValueError, match="other settings"):
-        write_cache(tmp_path, batches(), run, meta={**META, "target": "other"}, log=lambda s: None)
+    write_cache(tmp_path, batches(), run, fingerprint=FP, log=lambda s: None)
+    with pytest.raises(UsageError, match="other settings .old -> new: target: tiny-llama -> other.;"):
+        write_cache(tmp_path, batches(), run, fingerprint={**FP, "target": "other"}, log=lambda s: None)
 
 
 def test_sequence_parallel_rank_reads_only_its_window(tmp_path):
@@ -132,7 +133,7 @@ def test_sequence_parallel_rank_reads_only_its_window(tmp_path):
     from eagle3fn.align import supervised_mask
     from eagle3fn.parallel import chunk_window, shard_sequence
 
-    write_cache(tmp_path, batches(), features_fn(tiny_target()), meta=META, dtype=torch.float32,
+    write_cache(tmp_path, batches(), features_fn(tiny_target()), fingerprint=FP, dtype=torch.float32,
                 log=lambda s: None)
     cache = FeatureCache(tmp_path)
     sp, k = 3, 2

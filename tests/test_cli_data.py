@@ -66,8 +66,12 @@ def test_prepare_writes_the_online_features_and_resumes(workdir, capsys):
         assert torch.equal(cached.loss_mask, batch["loss_mask"])
     main(args)  # a second run finds every shard done
     assert "wrote shard" not in capsys.readouterr().out
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(SystemExit) as e:  # the CLI: one line, exit 2
         main(args[:-2] + ["--storage", "bfloat16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("eagle3fn: error:") and "other settings" in err
+    with pytest.raises(ValueError, match="other settings"):  # --debug: the exception itself
+        main(["--debug", *args[:-2], "--storage", "bfloat16"])
 
 
 def test_regenerate_keeps_prompts(workdir, capsys):
