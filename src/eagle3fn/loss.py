@@ -35,9 +35,11 @@ class LossConfig:
     step_weight_decay: float = 0.8
     """Step j is weighted ``step_weight_decay ** j`` in the objective."""
     normalization: Normalization = "local_mean"
-    """``local_mean``: divide step losses by ``B*C`` summed over ranks (every row,
-    padded ones included; SpecForge/EAGLE). ``token_mean``: divide by the number of
-    gated rows of the step, summed over ranks."""
+    """``local_mean``: divide step losses by ``B*C`` (every row, padded ones included;
+    SpecForge/EAGLE), summed over the ranks of one sequence; data-parallel ranks and the
+    micro-batches of a gradient-accumulation step then average their means (SPEC 5).
+    ``token_mean``: divide by the number of gated rows of the step, summed over every
+    rank and every micro-batch of the optimizer step (as one batch would)."""
     objective: ObjectiveKind = "kl"
     """``kl``: soft cross-entropy. ``alpha``: LK ``-mean_gated log a``. ``lambda``: LK
     ``w*kl + (1-w)*(1-accept)`` with ``w = kl_scale*exp(-kl_decay*accept)``."""

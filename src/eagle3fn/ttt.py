@@ -152,11 +152,20 @@ class Collectives:
         reduce_terms: per-step ``StepTerms`` -> the same with every field summed over all
             ranks in value, while gradients flow only to this rank's sums.
         denominator: the ``local_mean`` divisor ``sum over ranks of B*C``.
+        loss_scale: multiplies this rank's loss sums before the reduction under
+            ``local_mean`` (``parallel.collectives``: data-parallel groups of unequal
+            ``B*C`` average their own means, SPEC 5); 1 for one group.
+        gated: ``[k]`` the ``token_mean`` divisors (and those of ``accept`` and the
+            ``alpha`` objective) when they span more than this batch: the gated rows of
+            every micro-batch of a gradient-accumulation step (``gated_counts``), summed
+            over ranks. None: this batch's own, reduced over ranks.
     """
 
     attend: Callable[[torch.Tensor, list, torch.Tensor], torch.Tensor] | None
     reduce_terms: Callable[[Sequence[StepTerms]], list[StepTerms]]
     denominator: int | torch.Tensor
+    loss_scale: float | torch.Tensor = 1.0
+    gated: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -935,4 +944,25 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
     )
     if collectives is None:
         return objective(terms, rowmap.denominator, config.loss)
-    return objective(collectives.reduce_terms(terms), collectives.denominator, config.loss)
+    if config.loss.normalization == "local_mean" and not _is_one(collectives.loss_scale):
+        scale = torch.as_tensor(collectives.loss_scale).to(terms[0].loss_sum)
+        terms = [dataclasses.replace(t, loss_sum=t.loss_sum * scale) for t in terms]
+    terms = collectives.reduce_terms(terms)
+    if collectives.gated is not None:
+        terms = [dataclasses.replace(t, gated=g.to(t.gated)) for t, g in zip(terms, collectives.gated)]
+    return objective(terms, collectives.denominator, config.loss)
+
+
+def _is_one(x: float | torch.Tensor) -> bool:
+    """``x == 1`` for a number; a tensor scale is applied as it is (no host sync)."""
+    return not isinstance(x, torch.Tensor) and x == 1
+
+
+def gated_counts(features: Features, rowmap: RowMap, config: TTTConfig, t2d: torch.Tensor) -> torch.Tensor:
+    """``[k]`` int64: the gated rows of each step of this batch (rows whose teacher's
+    argmax is in the draft vocab), as ``ttt``'s step terms count them, without running
+    the draft: the teacher at the teacher positions only (no grad). Summed over the
+    micro-batches of a step (and ranks), it is ``Collectives.gated``."""
+    with torch.no_grad():
+        table = _teacher(features, rowmap.teacher_positions + 1, config, t2d)
+        return torch.stack([table.gate[r].sum() for r in rowmap.table_rows]).to(torch.int64)

@@ -414,14 +414,25 @@ def reduce_terms(terms: Sequence[StepTerms], group=None) -> list[StepTerms]:
 def collectives(layout: Layout, denominator: int, device: torch.device,
                 attention: str = "auto") -> Collectives:
     """The ``Collectives`` of one batch: cross-rank attention when the sequence is
-    split, the sums reduced over every rank, and the global ``local_mean`` divisor
-    (``denominator`` = this rank's ``B*C``, summed over ranks). ``attention``: the
-    local attention's implementation (``TTTConfig.attention``: auto, eager, flex;
+    split, the sums reduced over every rank, and the ``local_mean`` divisor and scale.
+
+    ``denominator`` is this rank's ``B*C`` (0 for a data-parallel rank past the end of
+    the data). SPEC 5: a data-parallel group (the ``sp`` ranks of one sequence batch)
+    divides its loss sum by its own ``D_g = sum of B*C`` over the group, and gradients
+    are averaged over the groups holding data. With ``D`` the sum over every rank, the
+    result's ``denominator`` is ``D`` and its ``loss_scale`` is ``D / (n * D_g)`` (``n``
+    groups with data), so ``sum_r loss_scale_r * loss_sum_r / D`` is that mean of group
+    means in value and in gradient. ``attention``: the local attention's
+    implementation (``TTTConfig.attention``: auto, eager, flex;
     ``SequenceParallelAttention``)."""
-    total = torch.tensor(denominator, dtype=torch.int64, device=device)
-    dist.all_reduce(total)
+    groups = torch.zeros(layout.dp, dtype=torch.int64, device=device)
+    groups[layout.dp_rank] = denominator
+    dist.all_reduce(groups)  # D_g: the group's ranks each add their own B*C
+    total = groups.sum()
+    own, n = groups[layout.dp_rank], (groups > 0).sum()
+    scale = total.double() / (n * own).clamp(min=1).double() if denominator else total.double() * 0
     attend = SequenceParallelAttention(layout, impl=attention) if layout.sp > 1 else None
-    return Collectives(attend=attend, reduce_terms=reduce_terms, denominator=total)
+    return Collectives(attend=attend, reduce_terms=reduce_terms, denominator=total, loss_scale=scale)
 
 
 def pad_for_sp(x: torch.Tensor, sp: int, dim: int = 1) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,8 +88,9 @@ class TrainConfig:
     """Linear warm-up over this fraction of the optimizer steps, then cosine to 0."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 0.5
-    """Clip the global gradient norm to this."""
+    grad_clip: float | None = 0.5
+    """Clip the global gradient norm to this (> 0); ``None`` turns clipping off
+    explicitly (the norm is still measured, logged and checked)."""
     batch_size: int = 4
     """Conversations per micro-batch (online); cache shards are used as they are."""
     grad_accum: int = 1
@@ -96,7 +98,7 @@ class TrainConfig:
     epochs: int = 1
     """Passes over the data."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (default: the epochs)."""
+    """Stop after this many optimizer steps (>= 1; default: the epochs)."""
     seed: int = 0
     """Data order and draft initialisation."""
     save_every: int = 100
@@ -105,6 +107,15 @@ class TrainConfig:
     """Print and record metrics every N optimizer steps."""
     device: str = "auto"
     """``cuda`` when available, else ``cpu``."""
+    precision: Literal["auto", "bfloat16", "float32", "float64"] = "auto"
+    """Compute dtype of the target and the draft step (masters stay fp32, fp64 with
+    float64): ``auto`` is bf16 on CUDA and fp32 on the CPU; float64 is for exactness
+    checks."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A step whose loss or gradient norm is NaN/Inf: ``error`` stops the run naming the
+    step, the batch and the last good checkpoint (nothing non-finite is saved);
+    ``skip`` drops that batch's update and counts it (``nonfinite_skipped`` in
+    metrics.jsonl and the final summary)."""
     eval_holdout: int = 0
     """Conversations at the end of the data kept out of training and out of the vocab
     map (offline: the cache's trailing shards holding exactly this many). The training
@@ -142,8 +153,11 @@ class TrainConfig:
         if not self.embedded_default and not self.cache and not (self.model and self.data):
             raise ValueError("give --model and --data (online), --model and --cache (offline), "
                              "or none of them for the embedded default")
-        if self.grad_accum < 1 or self.batch_size < 1:
-            raise ValueError("batch_size and grad_accum must be >= 1")
+        self._check_numbers()
+        if self.loss.objective == "lambda" and self.grad_accum > 1:
+            raise ValueError(f"--loss.objective lambda with --grad-accum {self.grad_accum}: its weight depends "
+                             "on the whole step's acceptance, which one micro-batch cannot see; use "
+                             "--grad-accum 1 (a larger --batch-size, or data parallelism) with lambda")
         if self.eval_holdout < 0 or self.eval_every < 0:
             raise ValueError(f"--eval-holdout {self.eval_holdout} and --eval-every {self.eval_every} "
                              "must be >= 0")
@@ -153,6 +167,28 @@ class TrainConfig:
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
                              "(or pip install 'eagle3fn[tensorboard]'), or drop --tensorboard")
+
+    def _check_numbers(self) -> None:
+        """Every numeric flag in its range, each failure naming the flag, value and fix."""
+        def need(ok: bool, flag: str, value, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"--{flag} {value}: must be {rule}")
+
+        finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+        need(finite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0, e.g. 1e-4")
+        need(finite(self.warmup_ratio) and 0 <= self.warmup_ratio < 1, "warmup-ratio",
+             self.warmup_ratio, "in [0, 1), e.g. 0.015")
+        need(finite(self.weight_decay) and self.weight_decay >= 0, "weight-decay", self.weight_decay,
+             "a finite number >= 0")
+        need(self.grad_clip is None or (finite(self.grad_clip) and self.grad_clip > 0), "grad-clip",
+             self.grad_clip, "a finite number > 0 (e.g. 0.5), or None to turn clipping off")
+        need(self.max_steps is None or self.max_steps >= 1, "max-steps", self.max_steps,
+             ">= 1 (or left unset to train all --epochs)")
+        for flag in ("epochs", "save_every", "log_every", "batch_size", "grad_accum", "ttt_length",
+                     "draft_vocab_size"):
+            need(getattr(self, flag) >= 1, flag.replace("_", "-"), getattr(self, flag), ">= 1")
+        need(self.max_length >= 2, "max-length", self.max_length, ">= 2 (a prompt and an answer token)")
+        need(self.seed >= 0, "seed", self.seed, ">= 0")
 
     @property
     def embedded_default(self) -> bool:

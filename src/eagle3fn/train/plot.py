@@ -8,6 +8,7 @@ struct; good enough to eyeball a run.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from pathlib import Path
@@ -44,7 +45,8 @@ def _square(px, x, y, color) -> None:
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     """Draw ``kl`` and ``acc`` per TTT step from a metrics.jsonl into ``out_png``
     (training and held-out rows)."""
-    rows = read_metrics(metrics_jsonl)
+    finite = lambda r: all(v is not None and math.isfinite(v) for key in ("kl", "acc") for v in r[key])  # noqa: E731
+    rows = [r for r in read_metrics(metrics_jsonl) if finite(r)]  # a skipped step has none
     train = [r for r in rows if r.get("split", "train") == "train"]
     evals = [r for r in rows if r.get("split") == "eval"]
     if not train:

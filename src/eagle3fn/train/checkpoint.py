@@ -1,0 +1,152 @@
+"""Checkpoints that cannot run code, written atomically, and the run fingerprint a resume
+must match.
+
+A checkpoint (``checkpoint.pt``) holds only tensors and plain data, loaded with
+``torch.load(weights_only=True)``: the trainable draft weights (fp32 masters; the frozen
+target embedding is never stored, it is re-read from the target), the optimizer state,
+the step / epoch / data position, the RNG state, the training config, the draft shape,
+the aux layer ids, the held-out prompts and the run fingerprint.
+
+The run fingerprint (``run_fingerprint``) is everything that changes the trajectory:
+every training setting except where output goes and how often it logs, saves or
+evaluates, with paths replaced by the content they hold (target config, tokenizer and
+weights; data file; offline cache; the vocab map itself). ``check_resume`` lists every
+difference, old and new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from eagle3fn.errors import RunError
+
+CHECKPOINT = "checkpoint.pt"
+# Settings that do not change what is trained: where output goes, how often it is
+# written, and spellings replaced in the fingerprint by what they resolve to.
+_NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "tensorboard", "preset",
+                   "model", "gguf_file", "data", "cache", "vocab_map", "device", "trim",
+                   "trim_loss_positions", "parallel", "max_steps")
+# max_steps may change on resume (train a run further, or stop it earlier): it is kept
+# beside the fingerprint, and ``check_resume`` says when the lr schedule is re-spanned.
+_REQUIRED = ("params", "optimizer", "step", "epoch", "pos", "rng", "config", "draft", "aux_layer_ids",
+             "holdout_prompts", "fingerprint")
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """sha256 of the tensors' bytes (CPU, contiguous), e.g. of a vocab map."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def run_fingerprint(cfg, *, device: torch.device, precision: torch.dtype, world: dict,
+                    d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """What a resume must match (JSON-able): ``settings`` (the TrainConfig fields that
+    change the trajectory, the effective trim mode, the resolved device type and
+    compute dtype, the data/sequence-parallel layout), ``target`` / ``data`` /
+    ``cache`` content fingerprints and ``vocab_map`` (sha256 of d2t and t2d)."""
+    from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
+
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_TRAJECTORY}
+    settings.update(trim=cfg.trim_mode, device=device.type, precision=str(precision).removeprefix("torch."),
+                    world=world)
+    out = {"settings": _jsonable(settings), "target": target_fingerprint(cfg.model, cfg.gguf_file),
+           "vocab_map": tensor_digest(d2t, t2d)}
+    if cfg.cache:
+        from eagle3fn.io.cache import cache_fingerprint
+
+        out["cache"] = cache_fingerprint(cfg.cache)
+    else:
+        out["data"] = file_fingerprint(cfg.data)
+    return out
+
+
+def _jsonable(x):
+    """Tuples as lists, recursively (a fingerprint compares equal after a JSON round trip)."""
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write ``state`` to ``path`` through a temporary file renamed into place: a kill or
+    a full disk leaves the previous checkpoint whole and no temporary file behind.
+    Refuses non-finite weights (RunError naming the tensor)."""
+    bad = [n for n, p in state["params"].items() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise RunError(f"refusing to save {path} at step {state['step']}: non-finite weights in {bad[:3]}; "
+                       f"{_previous(path)}")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"could not write {path} at step {state['step']} ({' '.join(str(e).split())}); "
+                       f"{_previous(path)}; free disk space (or fix the directory) and rerun the same "
+                       "command to resume") from e
+
+
+def _previous(path: Path) -> str:
+    if not path.exists():
+        return "no earlier checkpoint was written"
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True)["step"]
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"the earlier {path} is intact"
+    return f"the earlier {path} (step {step}) is intact"
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint's state, loaded without running code; RunError (naming the file and the
+    fix) for an unreadable, truncated or foreign file, a missing field, or non-finite
+    weights."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated, foreign or code-carrying file
+        raise RunError(f"{path} is not a readable eagle3fn checkpoint ({' '.join(str(e).split())[:300]}); "
+                       "it may be truncated or come from elsewhere (pickled code is never run): "
+                       "delete it and rerun train to start over") from e
+    if not isinstance(state, dict):
+        raise RunError(f"{path} is not an eagle3fn checkpoint (a {type(state).__name__}); delete it to "
+                       "start over")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise RunError(f"{path} lacks {missing} (written by an older eagle3fn or another tool); "
+                       "delete it and rerun train to start over, or use another --out-dir")
+    bad = [n for n, p in state["params"].items() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise RunError(f"{path} (step {state['step']}) has non-finite weights in {bad[:3]}; it cannot be "
+                       "exported, evaluated or resumed: retrain (lower --lr, check the data)")
+    return state
+
+
+def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *, max_steps: int | None,
+                 log=print) -> None:
+    """RunError listing each difference (old -> new) between the checkpoint's run
+    fingerprint and this run's, or a parameter of another shape. Another ``max_steps``
+    is allowed and said (``log``): the learning-rate schedule then spans the new total."""
+    from eagle3fn.io.fingerprint import diff
+
+    old_max = state["config"].get("max_steps")
+    if old_max != max_steps:
+        log(f"note: --max-steps {max_steps} differs from the checkpoint's {old_max}: training goes on to "
+            "the new total and the learning-rate schedule now spans it")
+    differences = diff(_jsonable(state["fingerprint"]), _jsonable(fingerprint))
+    if differences:
+        raise RunError(f"{path} was written by another run; it differs in: {'; '.join(differences)}. "
+                       "Resume with the same settings, target, data and vocab map, or use another --out-dir")
+    for name, p in trainable.items():
+        if name not in state["params"] or state["params"][name].shape != p.shape:
+            raise RunError(f"{path}: parameter {name} missing or of another shape; the draft "
+                           "configuration changed since this checkpoint: use another --out-dir")
