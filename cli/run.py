@@ -40,7 +40,7 @@ def export(args: ExportArgs) -> None:
     from transformers import AutoConfig
 
     from eagle3fn.io.export import export_draft
-    from eagle3fn.train.loop import load_run
+    from eagle3fn.train.checkpoint import load_run
 
     run = load_run(args.run)
     cfg = run["config"]
@@ -128,7 +128,7 @@ def evaluate(args: EvalArgs) -> dict:
 
     from eagle3fn.io.target import load_target
     from eagle3fn.speculative import SpecConfig, evaluate as run_eval
-    from eagle3fn.train.loop import initial_params, load_run
+    from eagle3fn.train.checkpoint import initial_params, load_run
 
     run = load_run(args.run)
     cfg = run["config"]
@@ -163,7 +163,7 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
     import shlex
     from pathlib import Path
 
-    from eagle3fn.train.loop import CHECKPOINT, METRICS
+    from eagle3fn.train import CHECKPOINT, METRICS
     from eagle3fn.train.metrics import read_metrics
 
     out = Path(out_dir)

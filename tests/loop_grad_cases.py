@@ -97,7 +97,7 @@ class Oracle:
 
         from eagle3fn.draft import init_params
         from eagle3fn.io.vocab_io import load_vocab_map
-        from eagle3fn.train.loop import draft_config_for
+        from eagle3fn.train.build import draft_config_for
         from eagle3fn.ttt import TTTConfig
 
         head = target.lm_head.weight.detach().double()

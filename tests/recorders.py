@@ -26,7 +26,7 @@ def save_tiny_target(path) -> "object":
     the tokenizer. Default aux ids for 8 layers: (1, 3, 4)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+    from eagle3fn.testing import tiny_chat_tokenizer
 
     tok = tiny_chat_tokenizer()
     torch.manual_seed(0)

@@ -120,3 +120,13 @@ def test_regular_install(tmp_path):
     out = _run([sys.executable, str(target / "bin" / "eagle3fn"), "rowmap", "--mask", "0110"],
                env=env, cwd=tmp_path).stdout
     assert "teacher positions U = [1, 2]" in out
+
+
+def test_version_comes_from_the_package_metadata():
+    """One source of truth: pyproject.toml's version is what eagle3fn reports."""
+    import tomllib
+
+    import eagle3fn
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert eagle3fn.__version__ == declared != "0+unknown"

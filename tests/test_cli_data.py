@@ -10,7 +10,7 @@ from eagle3fn.cli.main import main
 from eagle3fn.io.cache import FeatureCache
 from eagle3fn.io.data import collate, tokenize_file
 from eagle3fn.io.target import load_target, target_features
-from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+from eagle3fn.testing import tiny_chat_tokenizer
 from eagle3fn.io.vocab_io import load_vocab_map
 
 ROWS = [

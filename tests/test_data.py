@@ -24,7 +24,7 @@ from eagle3fn.io.data import (
     tokenize_conversation,
     tokenize_file,
 )
-from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+from eagle3fn.testing import tiny_chat_tokenizer
 from eagle3fn.io.vocab_io import (
     load_vocab_map,
     resolve_vocab_map,

@@ -14,7 +14,7 @@ from eagle3fn.cli.main import main
 from eagle3fn.errors import UsageError
 from eagle3fn.io.data import read_conversations
 from eagle3fn.io.target import check_model_dir, load_target
-from eagle3fn.train.loop import CHECKPOINT, train
+from eagle3fn.train import CHECKPOINT, train
 
 
 def fails_in_one_line(capsys, argv, code, *needles):

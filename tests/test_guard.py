@@ -19,7 +19,7 @@ from eagle3fn.cli.main import main
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.vocab_io import load_vocab_map, save_vocab_map
 from eagle3fn.train.checkpoint import CHECKPOINT
-from eagle3fn.train.loop import METRICS, load_run, train
+from eagle3fn.train import METRICS, load_run, train
 from eagle3fn.train.metrics import read_metrics
 
 quiet = dict(log=lambda s: None)
@@ -366,7 +366,7 @@ def test_a_draft_cannot_train_past_a_longrope_switch(tmp_path):
     with fixed frequencies cannot, so --max-length beyond it is refused (Phi-3.5 shapes)."""
     from transformers import Phi3Config
 
-    from eagle3fn.train.loop import draft_config_for
+    from eagle3fn.train.build import draft_config_for
 
     d = 48 // 2
     cfg = Phi3Config(hidden_size=96, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,

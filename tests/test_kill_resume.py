@@ -10,7 +10,7 @@ import torch
 from recorders import save_tiny_target, write_tiny_chat
 
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.loop import CHECKPOINT, METRICS, train
+from eagle3fn.train import CHECKPOINT, METRICS, train
 from eagle3fn.train.metrics import read_metrics
 
 SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_every=1, lr=1e-3,

@@ -6,7 +6,7 @@ import torch
 
 from eagle3fn.io.data import Conversation
 from eagle3fn.io.regenerate import GenerationConfig, regenerate, write_jsonl
-from eagle3fn.io.tiny_tokenizer import tiny_chat_tokenizer
+from eagle3fn.testing import tiny_chat_tokenizer
 
 
 def tiny_model(vocab):

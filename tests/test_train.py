@@ -8,7 +8,7 @@ from recorders import save_tiny_target, write_tiny_chat
 
 from eagle3fn.errors import RunError
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.loop import CHECKPOINT, METRICS, train
+from eagle3fn.train import CHECKPOINT, METRICS, train
 
 
 
@@ -139,7 +139,8 @@ def test_holdout_never_trains_and_is_evaluated(workdir, tmp_path):
     held-out rows every eval_every steps and at the end, and saves their prompts."""
     from transformers import AutoTokenizer
 
-    from eagle3fn.train.loop import _online_source, evaluate_holdout, load_run
+    from eagle3fn.train import evaluate_holdout, load_run
+    from eagle3fn.train.sources import online_source as _online_source
     from eagle3fn.ttt import TTTConfig
 
     lines = (workdir / "chat.jsonl").read_text().splitlines(keepends=True)
@@ -299,7 +300,7 @@ def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys, monkeypat
     step that does nothing keeps them), for the run's seed."""
     from eagle3fn.cli.main import main
     from eagle3fn.io.target import load_target
-    from eagle3fn.train.loop import initial_params, load_run
+    from eagle3fn.train import initial_params, load_run
 
     out = tmp_path / "frozen"
     with monkeypatch.context() as m:

@@ -15,6 +15,8 @@ The data flow, one stage per module::
 objective; ``check.trimmed_objective`` composes the trimmed stages for comparison.
 """
 
+from importlib import metadata as _metadata
+
 from eagle3fn.align import sequence_lengths, shift_left, supervised_mask
 from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params
 from eagle3fn.loss import LossConfig, objective, soft_cross_entropy, step_terms
@@ -25,7 +27,10 @@ from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logit
 from eagle3fn.ttt import TTTConfig  # the function is eagle3fn.ttt.ttt (module name kept free)
 from eagle3fn.vocab import build_vocab_map, count_tokens, validate_vocab_map
 
-__version__ = "0.1.0"
+try:  # one source of truth: the installed package's metadata (pyproject.toml)
+    __version__ = _metadata.version("eagle3fn")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "DraftConfig",

@@ -119,3 +119,16 @@ def build_layout(config: ParallelConfig, device: torch.device) -> Layout:
                   ulysses=config.ulysses, dp_rank=mesh.get_local_rank("dp"),
                   ring_rank=mesh.get_local_rank("ring"),
                   ulysses_rank=mesh.get_local_rank("ulysses"))
+
+
+def is_main() -> bool:
+    """Rank 0 of the process group, or a process without one (it owns files and logs)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``tensor`` reduced in place over every rank (``sum`` or ``max``) and returned; the
+    tensor itself in a process without a group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor

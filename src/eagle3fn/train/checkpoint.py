@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.errors import RunError
 
 CHECKPOINT = "checkpoint.pt"
@@ -150,3 +151,34 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
         if name not in state["params"] or state["params"][name].shape != p.shape:
             raise RunError(f"{path}: parameter {name} missing or of another shape; the draft "
                            "configuration changed since this checkpoint: use another --out-dir")
+
+
+def load_run(out_dir: str | os.PathLike) -> dict:
+    """A finished (or interrupted) run: ``params`` (trainable, fp32, by name),
+    ``draft`` (DraftConfig), ``d2t``/``t2d``, ``config`` (TrainConfig fields),
+    ``aux_layer_ids``, ``step`` and ``holdout_prompts`` (token id lists, one per
+    held-out conversation; empty without --eval-holdout). RunError for a checkpoint
+    that cannot be used (``read_checkpoint``)."""
+    from eagle3fn.io.vocab_io import load_vocab_map
+
+    out = Path(out_dir)
+    if not (out / CHECKPOINT).exists():
+        raise FileNotFoundError(f"no {CHECKPOINT} in {out}: train first (eagle3fn train --out-dir {out})")
+    state = read_checkpoint(out / CHECKPOINT)
+    draft = dict(state["draft"])
+    draft_cfg = DraftConfig(**{**draft, "rope": RopeConfig(**draft["rope"])})
+    d2t, t2d = load_vocab_map(out / "vocab.safetensors", vocab_size=draft_cfg.vocab_size,
+                              draft_vocab_size=draft_cfg.draft_vocab_size)
+    return {"params": state["params"], "draft": draft_cfg, "d2t": d2t, "t2d": t2d,
+            "config": state["config"], "aux_layer_ids": tuple(state["aux_layer_ids"]),
+            "step": state["step"], "holdout_prompts": state["holdout_prompts"]}
+
+
+def initial_params(run: dict, target) -> dict[str, torch.Tensor]:
+    """The trainable draft weights a run started from (step 0): ``init_params`` with
+    the run's seed, ``target``'s head rows and the run's vocab map, as ``train`` builds
+    them (on CPU in fp32; a bf16 CUDA target rounds the copied head)."""
+    params = init_params(run["draft"], embed_tokens=target.embed_tokens.float(),
+                         target_lm_head=target.lm_head.weight.detach().float(), t2d=run["t2d"],
+                         seed=run["config"]["seed"])
+    return {n: p.detach() for n, p in params.items() if p.requires_grad}

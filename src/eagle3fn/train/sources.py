@@ -1,0 +1,117 @@
+"""Where a run's micro-batches come from: the target run online on tokenized chat data,
+or the offline feature cache. Each gives the conversations (for the vocab map and the
+held-out prompts) and a ``Source`` of batches, for training and for the held-out tail.
+
+Legend: B batch, S padded length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable
+
+import torch
+
+from eagle3fn.io.device import default_dtype
+from eagle3fn.shapes import Features
+from eagle3fn.train.config import TrainConfig
+
+_PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclasses.dataclass
+class Source:
+    """Micro-batches: a list of items and how to turn one into ``(Features [B, S, ...],
+    loss_mask bool [B, S])``; ``describe`` names an item in messages (its conversations'
+    ``file:line``, or its cache shard)."""
+
+    items: list
+    load: Callable[..., tuple[Features, torch.Tensor]]
+    describe: Callable[[object], str] = str
+
+    def order(self, epoch: int, seed: int) -> list[int]:
+        """The epoch's item order: a permutation seeded by ``(seed, epoch)``."""
+        g = torch.Generator().manual_seed(seed * 1000 + epoch)
+        return torch.randperm(len(self.items), generator=g).tolist()
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype the target and the draft step run in: ``--precision``, where ``auto`` is
+    bf16 on CUDA and fp32 on the CPU."""
+    return default_dtype(device) if cfg.precision == "auto" else _PRECISIONS[cfg.precision]
+
+
+def load_target_for(cfg: TrainConfig, device: torch.device):
+    """The target (``io.target.TargetModel``) on ``device`` in the compute dtype."""
+    from eagle3fn.io.target import load_target
+
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    return load_target(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
+                       dtype=compute_dtype(cfg, device), **kwargs)
+
+
+def online_source(cfg: TrainConfig, device: torch.device):
+    """The target, and ``(examples, Source)`` for training and for the held-out tail
+    (the last ``eval_holdout`` conversations of the data)."""
+    from transformers import AutoTokenizer
+
+    from eagle3fn.io.data import collate, tokenize_file
+    from eagle3fn.io.target import target_features
+
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+    target = load_target_for(cfg, device)
+    examples = tokenize_file(cfg.data, tok, max_length=cfg.max_length, on_error=cfg.on_error)
+    if cfg.eval_holdout >= len(examples):
+        raise ValueError(f"--eval-holdout {cfg.eval_holdout} leaves nothing to train on: {cfg.data} "
+                         f"has {len(examples)} usable conversations; hold out fewer")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def load(group):
+        b = collate(group, pad)
+        f = target_features(target, b["input_ids"].to(device), b["attention_mask"].to(device))
+        return f, b["loss_mask"].to(device)
+
+    def source(part):
+        return Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load,
+                      describe=lambda group: "conversations at " + ", ".join(e.source for e in group))
+    cut = len(examples) - cfg.eval_holdout
+    return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
+
+
+def offline_source(cfg: TrainConfig, device: torch.device):
+    """``(examples, Source)`` for training and for the held-out trailing shards of the
+    cache (shards are never split: ``eval_holdout`` must match a number of trailing
+    shards' conversations). Features come in the compute dtype (a bf16 cache trains on
+    the CPU in fp32)."""
+    from eagle3fn.io.cache import FeatureCache
+    from eagle3fn.io.data import Example
+
+    cache = FeatureCache(cfg.cache, device=device, dtype=compute_dtype(cfg, device))
+
+    def load(i, window=None):
+        item = cache.read(i, window)
+        return item.features, item.loss_mask
+    shards = []  # ids and masks only (no features read), for the vocab map and held-out prompts
+    for i in range(len(cache)):
+        item = cache.read(i, (0, 0))
+        f = item.features
+        lengths = f.attention_mask.sum(1).tolist()
+        shards.append([Example(input_ids=f.input_ids[b, :L].cpu(), loss_mask=item.loss_mask[b, :L].cpu(),
+                               source=f"shard {i}") for b, L in enumerate(lengths)])
+    # held[n]: conversations in the last n shards.
+    held = [0, *itertools.accumulate(len(s) for s in reversed(shards))]
+    if cfg.eval_holdout not in held[:-1]:
+        raise ValueError(f"--eval-holdout {cfg.eval_holdout}: the trailing shards of {cfg.cache} hold "
+                         f"{held[1:-1]} conversations; hold out one of those numbers (or 0)")
+    cut = len(shards) - held.index(cfg.eval_holdout)
+    flat = lambda part: [e for s in part for e in s]  # noqa: E731
+    describe = lambda i: f"shard {cache.names[i]} of the cache {cfg.cache}"  # noqa: E731
+    return ((flat(shards[:cut]), Source(list(range(cut)), load, describe)),
+            (flat(shards[cut:]), Source(list(range(cut, len(shards))), load, describe)))
+
+
+def prompt_of(example) -> list[int]:
+    """The tokens before the first supervised one (the chat template's prompt)."""
+    return example.input_ids[:int(example.loss_mask.nonzero()[0])].tolist()
