@@ -1,4 +1,4 @@
-"""The EAGLE-3 TTT attention alone (``ttt.packed_flex_attention``: FlexAttention over
+"""The EAGLE-3 TTT attention alone (``unrolled.packed_flex_attention``: FlexAttention over
 packed query rows and the step-0 keys, diagonal keys merged by log-sum-exp), forward +
 backward at one step j, in effective TFLOP/s (BENCH.md goal: >= 450 at S = 32768, 8B
 shapes: 32 heads, 8 kv heads, head dim 128, bf16).
@@ -9,19 +9,20 @@ convention); the diagonal keys are O(rows). ``--densities 1`` is every row.
 
     python benchmarks/attention.py --seq-lens 8192 32768 --steps 0 6
     python benchmarks/attention.py --kernel-options '{}' '{"bwd_num_stages": 2}'
+    python benchmarks/attention.py --seq-lens 32768 --steps 0 --iters 5 --json attention.json
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 import tyro
 
-import eagle3fn.ttt as ttt_module
-from eagle3fn.ttt import packed_flex_attention, packed_keys
+from eagle3fn.unrolled import packed_flex_attention, packed_keys
+from meta import run_metadata
 from timing import cuda_timed
 
 
@@ -39,25 +40,41 @@ class AttnArgs:
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
+    warmup: int = 3
+    """Untimed repetitions first."""
     iters: int = 10
     """Timed repetitions (median)."""
     kernel_options: tuple[str, ...] = ("null",)
     """FlexAttention ``kernel_options`` to time, each a JSON object (``null``: none,
     inductor's defaults, which is what the library passes unless
-    ``ttt.FLEX_KERNEL_OPTIONS`` is set); every configuration runs with each. A
+    ``TTTConfig.flex_kernel_options`` is set); every configuration runs with each. A
     setting the GPU cannot compile or run is reported and timed as NaN."""
+    json: str | None = None
+    """Write the results here as JSON (with ``meta.run_metadata``)."""
 
 
 def main(args: AttnArgs) -> None:
-    default = ttt_module.FLEX_KERNEL_OPTIONS
-    try:
-        results = measure(args)
-    finally:
-        ttt_module.FLEX_KERNEL_OPTIONS = default
+    if args.json:  # fails before any GPU time without git or EAGLE3FN_COMMIT
+        run_metadata(resolved_args(args))
+    results = measure(args)
     print(f"\n{'S':>7} {'rows':>6} {'step':>5} {'fwd+bwd ms':>11} {'eff. TFLOP/s':>13}   "
           f"kernel options ({args.pattern})")
     for S, density, j, ms, tf, options in results:
         print(f"{S:>7} {density:>6.0%} {j:>5} {ms:>11.2f} {tf:>13.0f}   {options}")
+    if args.json:
+        rows = [dict(S=S, density=density, pattern=args.pattern, step=j, fwd_bwd_ms=round(ms, 3),
+                     effective_tflops=round(tf, 1), kernel_options=json.loads(options) or {})
+                for S, density, j, ms, tf, options in results]
+        with open(args.json, "w") as f:
+            json.dump(dict(run_metadata(resolved_args(args)), results=rows), f, indent=1)
+
+
+def resolved_args(args: AttnArgs) -> dict:
+    """``args`` as the run used them, for its JSON: ``kernel_options`` parsed (``{}``:
+    none, inductor's defaults), ``json`` left out when not given."""
+    resolved = {k: v for k, v in asdict(args).items() if not (k == "json" and v is None)}
+    resolved["kernel_options"] = [json.loads(options) or {} for options in args.kernel_options]
+    return resolved
 
 
 def measure(args: AttnArgs) -> list[tuple]:
@@ -80,14 +97,15 @@ def measure(args: AttnArgs) -> list[tuple]:
             j_max = max(args.steps)
             diag = (rand(j_max, n, args.kv_heads, args.head_dim), rand(j_max, n, args.kv_heads, args.head_dim))
             for options, as_dict in zip(args.kernel_options, parsed):
-                ttt_module.FLEX_KERNEL_OPTIONS = as_dict
+                kernel_options = tuple(as_dict.items()) if as_dict else None
                 for j in args.steps:
                     def step():
                         own = None if j == 0 else (diag[0][:j], diag[1][:j])
-                        out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S)
+                        out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S,
+                                                    kernel_options=kernel_options)
                         out.backward(torch.ones_like(out))
                     try:
-                        ms, _, _ = cuda_timed(step, warmup=3, iters=args.iters)
+                        ms, _, _ = cuda_timed(step, warmup=args.warmup, iters=args.iters)
                     except Exception as error:  # a configuration the GPU cannot run
                         print(f"{options}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                         ms = float("nan")

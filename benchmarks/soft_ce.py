@@ -8,13 +8,14 @@ reference: gathers the table rows), SpecForge 0.2.0's fused ``LogSoftmaxLoss`` o
 pre-gathered dense teacher (its layout; it refuses Vd > 131072), and the fused head
 (``loss.head_step_terms``: norm + lm_head + loss, logits recomputed in backward) vs
 the unfused head at H = 4096. bf16 logits, compact bf16 table. Median of 10 after 3
-warm-ups (CUDA events); peak = extra memory above the inputs.
+warm-ups (CUDA events); peak = extra memory above the inputs. The JSON records the
+run's commit, arguments and versions (``meta.run_metadata``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import tyro
@@ -22,6 +23,7 @@ import tyro
 from eagle3fn.draft import rms_norm
 from eagle3fn.loss import head_step_terms, step_terms
 from eagle3fn.shapes import TeacherTable
+from meta import run_metadata
 from timing import cuda_timed
 
 
@@ -33,15 +35,29 @@ class Args:
     """Vd."""
     hidden: int = 4096
     """H for the fused-head comparison."""
+    chunk_rows: int = 2048
+    """Rows per chunk of the fused head."""
+    warmup: int = 3
+    """Untimed calls first."""
+    iters: int = 10
+    """Timed calls (median)."""
     json: str | None = None
+    """Write the results here as JSON."""
 
 
-def measure(fn, warmup=3, iters=10):
-    ms, peak, base = cuda_timed(fn, warmup, iters)
-    return ms, (peak - base) / 2**30
+def resolved_args(args: Args) -> dict:
+    """``args`` for the JSON (``json`` left out when not given)."""
+    return {k: v for k, v in asdict(args).items() if not (k == "json" and v is None)}
 
 
 def main(args: Args) -> None:
+    if args.json:  # fails before any GPU time without git or EAGLE3FN_COMMIT
+        run_metadata(resolved_args(args))
+
+    def measure(fn):
+        ms, peak, base = cuda_timed(fn, args.warmup, args.iters)
+        return ms, (peak - base) / 2**30
+
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for V in args.vocabs:
@@ -89,7 +105,7 @@ def main(args: Args) -> None:
                 def step():
                     if fused:
                         t = head_step_terms(hidden, head, (norm_w, head_w), table, table_rows, d2t,
-                                            impl="triton", chunk_rows=2048)
+                                            impl="triton", chunk_rows=args.chunk_rows)
                     else:
                         t = step_terms(head(hidden, norm_w, head_w), table, table_rows, d2t, impl="triton")
                     t.loss_sum.backward()
@@ -105,7 +121,7 @@ def main(args: Args) -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(run_metadata(resolved_args(args)), rows=rows), f, indent=1)
     print(f"\n{'Vd':>7} {'N':>5} {'impl':>18} {'fwd+bwd ms':>11} {'extra GiB':>10} {'ps/(row*vocab)':>15}")
     for r in rows:
         print(f"{r['Vd']:>7} {r['N']:>5} {r['impl']:>18} {r['ms']:>11.3f} {r['extra_gib']:>10.3f} "

@@ -24,13 +24,12 @@ import torch
 import tyro
 
 from eagle3fn.align import shift_left, supervised_mask
-import eagle3fn.draft as draft_module
-import eagle3fn.ttt as ttt_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, choose_trim, ttt
+from eagle3fn.unrolled import TTTConfig, choose_trim, ttt
 from eagle3fn.vocab import build_vocab_map
+from meta import run_metadata
 from timing import cuda_timed
 
 Mode = Literal["specforge", "none", "loss", "backbone", "auto", "loss-mesh"]
@@ -66,7 +65,7 @@ class BenchArgs:
     """eagle3fn modes: rows per chunk of the fused head (None: ``TTTConfig``'s default)."""
     flex_kernel_options: str | None = None
     """eagle3fn modes: FlexAttention ``kernel_options`` as a JSON object (``null``: none,
-    inductor's defaults); not given: the library's ``ttt.FLEX_KERNEL_OPTIONS``."""
+    inductor's defaults); not given: ``TTTConfig.flex_kernel_options``' default."""
     json: str | None = None
     """Write the results here as JSON."""
     profile: str | None = None
@@ -136,7 +135,17 @@ def draft_config(args: BenchArgs) -> DraftConfig:
 def step_config(args, cfg, trim) -> TTTConfig:
     """The TTT config of an eagle3fn mode's step."""
     chunk = {} if args.head_chunk_rows is None else dict(head_chunk_rows=args.head_chunk_rows)
-    return TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex", **chunk)
+    return TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim=trim, attention="flex", **chunk,
+                     **flex_options(args))
+
+
+def flex_options(args) -> dict:
+    """``TTTConfig(flex_kernel_options=...)`` from ``--flex-kernel-options`` (nothing when
+    not given: the config's default)."""
+    if args.flex_kernel_options is None:
+        return {}
+    given = json.loads(args.flex_kernel_options) or {}
+    return dict(flex_kernel_options=tuple(given.items()) or None)
 
 
 def auto_path(args, cfg, features, loss_mask) -> str:
@@ -190,7 +199,8 @@ def mesh_step(args, cfg, params, features, loss_mask, d2t, t2d):
     init_distributed(device)
     layout = build_layout(ParallelConfig(), device)
     sharded = shard(params, layout)
-    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim="loss", attention="flex")
+    config = TTTConfig(draft=cfg, ttt_length=args.ttt_length, trim="loss", attention="flex",
+                       **flex_options(args))
 
     def step():
         rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
@@ -345,12 +355,33 @@ def isolated(args: BenchArgs, ceiling: float) -> list[dict]:
     return rows
 
 
+OUTPUT_PATHS = ("json", "profile", "host_profile")
+
+
+def resolved_args(args: BenchArgs) -> dict:
+    """``args`` as the run used them, for its JSON (``meta.run_metadata`` refuses a
+    ``None``): ``head_chunk_rows`` from the eagle3fn modes' ``TTTConfig``,
+    ``flex_kernel_options`` as passed to FlexAttention (``{}``: none, inductor's
+    defaults); output paths that were not given are left out."""
+    resolved = {k: v for k, v in asdict(args).items() if not (k in OUTPUT_PATHS and v is None)}
+    resolved["head_chunk_rows"] = step_config(args, draft_config(args), "none").head_chunk_rows
+    resolved["flex_kernel_options"] = flex_options_used(args)
+    return resolved
+
+
+def flex_options_used(args: BenchArgs) -> dict:
+    """The FlexAttention ``kernel_options`` of the eagle3fn modes (``{}``: none): the
+    flag's, or the library's when the flag is not given."""
+    given = args.flex_kernel_options
+    return dict((step_config(args, draft_config(args), "none").flex_kernel_options if given is None
+                 else json.loads(given)) or {})
+
+
 def write_json(args: BenchArgs, ceiling: float, rows: list[dict]) -> None:
     if args.json:  # after every row: a killed run keeps what it measured
         with open(args.json, "w") as f:
-            json.dump(dict(args=asdict(args), matmul_tflops=ceiling, results=rows,
-                           compile_elementwise=draft_module.COMPILE_ELEMENTWISE,
-                           device=torch.cuda.get_device_name(), torch=torch.__version__,
+            json.dump(dict(run_metadata(resolved_args(args)), matmul_tflops=ceiling, results=rows,
+                           compile_elementwise=step_config(args, draft_config(args), "none").compile_elementwise,
                            # gVisor reports kernel 4.4.0; its kernel launches cost far more host time
                            kernel=platform.release()), f, indent=1)
 
@@ -359,6 +390,8 @@ def main(args: BenchArgs) -> None:
     if args.optimizer and {"specforge", "loss-mesh"} & set(args.modes):
         raise SystemExit("--optimizer times eagle3fn's training step: use it with the modes "
                          "none / loss / backbone / auto only")
+    if args.json:  # fails before any GPU time without git or EAGLE3FN_COMMIT
+        run_metadata(resolved_args(args))
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.isolate:
         ceiling = matmul_tflops()
@@ -371,8 +404,6 @@ def main(args: BenchArgs) -> None:
 def measure(args: BenchArgs) -> tuple[float, list[dict]]:
     """Time every configuration in this process: (matmul TFLOP/s, result rows)."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.flex_kernel_options is not None:
-        ttt_module.FLEX_KERNEL_OPTIONS = json.loads(args.flex_kernel_options)
     ceiling = matmul_tflops()
     cfg = draft_config(args)
     rows = []

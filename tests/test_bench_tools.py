@@ -1,19 +1,36 @@
-"""benchmarks/plot.py's reading of step.py JSON (the plot itself is checked by eye)."""
+"""The benchmark scripts' own tools on CPU: plot.py's reading of step.py JSON (the plot
+itself is checked by eye) and meta.py's run identity that every JSON carries."""
 
+import dataclasses
+import datetime
+import importlib.metadata
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 
-def load_plot():
-    spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "benchmarks" / "plot.py")
+def load(name: str):
+    """``benchmarks/<name>.py`` as a module; its sibling imports (``meta``, ``timing``)
+    resolve from ``benchmarks/``."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                           *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def row(mode, density, ms, S=8192, pattern="tail"):
@@ -29,7 +46,7 @@ def test_later_file_wins_and_oom_rows_drop(tmp_path):
                                              row("none", 0.3, float("nan"))]}))
     second.write_text(json.dumps({"results": [row("specforge", 0.1, 310.0), row("loss", 0.1, 200.0),
                                               row("none", 0.1, 260.0, pattern="scattered")]}))
-    plot = load_plot()
+    plot = load("plot")
     got = {(r["mode"], r["density"], r["pattern"]): r["median_ms"]
            for r in plot.load_rows((str(first), str(second)))}
     assert got == {("specforge", 0.1, "tail"): 310.0, ("none", 0.1, "tail"): 250.0,
@@ -37,3 +54,99 @@ def test_later_file_wins_and_oom_rows_drop(tmp_path):
     swapped = {(r["mode"], r["density"]): r["median_ms"]
                for r in plot.load_rows((str(second), str(first))) if r["pattern"] == "tail"}
     assert swapped[("specforge", 0.1)] == 300.0
+
+
+# ---- meta.py: the run identity in every benchmark JSON --------------------------------
+
+def test_git_state_is_head_and_dirty_follows_the_tree(tmp_path):
+    """``commit`` is ``HEAD``'s hash; ``dirty`` turns on for an untracked file and for a
+    changed tracked file, and off again once committed."""
+    meta = load("meta")
+    git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git(tmp_path, "add", "a.py")
+    git(tmp_path, "commit", "-qm", "one")
+    assert meta.git_state(tmp_path) == (git(tmp_path, "rev-parse", "HEAD"), False)
+    (tmp_path / "new.py").write_text("y = 2\n")
+    assert meta.git_state(tmp_path)[1] is True
+    (tmp_path / "new.py").unlink()
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert meta.git_state(tmp_path)[1] is True
+    git(tmp_path, "commit", "-qam", "two")
+    assert meta.git_state(tmp_path) == (git(tmp_path, "rev-parse", "HEAD"), False)
+
+
+def test_outside_git_the_environment_names_the_commit(tmp_path, monkeypatch):
+    """A copy of the tree without ``.git`` (the GPU machine's) is refused unless
+    ``EAGLE3FN_COMMIT`` and ``EAGLE3FN_DIRTY`` say what it was copied from."""
+    meta = load("meta")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repo above
+    monkeypatch.delenv("EAGLE3FN_COMMIT", raising=False)
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "0")
+    with pytest.raises(ValueError, match="EAGLE3FN_COMMIT"):
+        meta.git_state(tmp_path)
+    monkeypatch.setenv("EAGLE3FN_COMMIT", "abc123")
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "yes")
+    with pytest.raises(ValueError, match="EAGLE3FN_DIRTY='yes'"):
+        meta.git_state(tmp_path)
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "1")
+    assert meta.git_state(tmp_path) == ("abc123", True)
+
+
+def test_run_metadata_of_this_checkout():
+    """Commit = ``git rev-parse HEAD`` of the repository, versions as installed, a UTC
+    date, the arguments as given (tuples as lists)."""
+    meta = load("meta")
+    got = meta.run_metadata({"seq_lens": (2048, 8192), "head_chunk_rows": 4096})
+    assert got["commit"] == git(ROOT, "rev-parse", "HEAD") and len(got["commit"]) == 40
+    assert isinstance(got["dirty"], bool)
+    assert got["torch"] == importlib.metadata.version("torch")
+    assert set(meta.PACKAGES) <= set(got) and got["device"]
+    assert datetime.datetime.fromisoformat(got["date"]).utcoffset() == datetime.timedelta(0)
+    assert got["args"] == {"seq_lens": [2048, 8192], "head_chunk_rows": 4096}
+    assert "null" not in json.dumps(got)
+
+
+def test_a_null_argument_is_refused():
+    """A ``None`` (a default the JSON would not pin down) is refused, naming the field,
+    also inside a list; resolved values pass."""
+    meta = load("meta")
+    with pytest.raises(ValueError, match=r"\['head_chunk_rows', 'flex'\]"):
+        meta.run_metadata({"head_chunk_rows": None, "iters": 6, "flex": [{}, None]})
+    assert meta.check_resolved({"head_chunk_rows": 4096, "flex": [{}]}) == {
+        "head_chunk_rows": 4096, "flex": [{}]}
+
+
+def test_step_json_records_the_resolved_run(tmp_path):
+    """``benchmarks/step.py``'s JSON carries the commit and the arguments the run used:
+    ``head_chunk_rows`` as ``TTTConfig``'s default or as given, FlexAttention options
+    ``{}`` for none. Negative control: its raw arguments hold nulls and are refused."""
+    step, meta = load("step"), load("meta")
+    from eagle3fn.unrolled import TTTConfig
+
+    default = TTTConfig.__dataclass_fields__["head_chunk_rows"].default
+    out = tmp_path / "step.json"
+    step.write_json(step.BenchArgs(json=str(out)), 800.0, [row("none", 0.3, 250.0)])
+    written = json.loads(out.read_text())
+    assert written["commit"] == git(ROOT, "rev-parse", "HEAD")
+    assert written["args"]["head_chunk_rows"] == default
+    assert written["args"]["flex_kernel_options"] == {}
+    assert "profile" not in written["args"] and written["args"]["json"] == str(out)
+    assert written["results"] == [row("none", 0.3, 250.0)] and written["matmul_tflops"] == 800.0
+    given = step.resolved_args(step.BenchArgs(head_chunk_rows=2048,
+                                              flex_kernel_options='{"USE_TMA": true}'))
+    assert given["head_chunk_rows"] == 2048 and given["flex_kernel_options"] == {"USE_TMA": True}
+    with pytest.raises(ValueError, match="head_chunk_rows"):
+        meta.run_metadata(dataclasses.asdict(step.BenchArgs()))
+
+
+def test_attention_and_soft_ce_arguments_resolve():
+    """The other JSON writers pass ``meta``'s check with their defaults: the attention
+    benchmark's ``null`` kernel options become ``{}``, no output path is recorded as null."""
+    meta, attention_py = load("meta"), load("attention")
+    attention = attention_py.resolved_args(attention_py.AttnArgs(
+        kernel_options=("null", '{"USE_TMA": true}')))
+    assert attention["kernel_options"] == [{}, {"USE_TMA": True}] and "json" not in attention
+    soft_ce = load("soft_ce").resolved_args(load("soft_ce").Args())
+    for args in (attention, soft_ce):
+        assert None not in meta.check_resolved(args).values()

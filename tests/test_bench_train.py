@@ -1,0 +1,169 @@
+"""benchmarks/train.py on the CPU: the tiny shape end to end (``eagle3fn train`` online
+and from the offline cache, the SpecForge 0.2.0 loop beside it), the synthetic data
+against its documented distribution, the padding count and the FLOP floors."""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """``benchmarks/train.py`` as a module (its ``meta`` import resolves from benchmarks/)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_train", BENCH / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_padding_fraction_is_the_hand_count(bench):
+    # Batches of lengths [3, 5] and [4]: 2 * 5 + 1 * 4 = 14 slots hold 12 tokens.
+    assert bench.padding_fraction([[3, 5], [4]]) == pytest.approx(2 / 14)
+    assert bench.padding_fraction([[7, 7, 7]]) == 0
+
+
+def test_generator_follows_the_documented_distribution(bench):
+    """Without the cut at max_length, the draws match WildChat's means (turns 2.52,
+    assistant 441.34 and user 295.58 tokens per turn) and the context's median."""
+    rows = bench.sample_conversations(2000, bench.PROFILES["prompt-heavy"], vocab_size=512,
+                                      max_length=10**7, length_scale=1.0, seed=1)
+    words = lambda m: len(m["content"].split())  # noqa: E731
+    by_role = {r: [words(m) for row in rows for m in row["messages"] if m["role"] == r]
+               for r in ("system", "user", "assistant")}
+    assert len(by_role["assistant"]) / len(rows) == pytest.approx(2.52, abs=0.15)
+    assert sum(by_role["assistant"]) / len(by_role["assistant"]) == pytest.approx(441.34, rel=0.05)
+    # sd 1609 over ~5000 draws, and redrawn conversations whose first answer starts
+    # late: a loose check
+    assert sum(by_role["user"]) / len(by_role["user"]) == pytest.approx(295.58, rel=0.3)
+    assert sorted(by_role["system"])[len(rows) // 2] == pytest.approx(800, rel=0.1)
+    assert all(int(w[1:]) >= bench.FIRST_WORD for row in rows[:50] for m in row["messages"]
+               for w in m["content"].split())
+
+
+def test_prompt_heavy_data_is_30_to_40_percent_assistant(bench, tmp_path):
+    from eagle3fn.io.data import tokenize_file
+
+    tok = bench.word_tokenizer(4096)
+    assert tok("w7 w4095 w12")["input_ids"] == [7, 4095, 12]  # one token per word
+    rows = bench.sample_conversations(300, bench.PROFILES["prompt-heavy"], vocab_size=4096, max_length=2048,
+                                      length_scale=1.0, seed=3)
+    bench.write_jsonl(tmp_path / "d.jsonl", rows)
+    examples = tokenize_file(tmp_path / "d.jsonl", tok, max_length=2048)
+    data = bench.data_summary(examples, bench.step_batches(examples, 4, 0), "prompt-heavy", 300, 2048)
+    assert data["conversations"] == 300 and data["dropped"] == 0
+    assert 0.30 <= data["assistant_share"] <= 0.40
+    assert max(len(e) for e in examples) == 2048
+
+
+def test_floors_match_bench_md_at_8192(bench):
+    """One 8192-token sequence, 30% tail supervised, offline: BENCH.md's dense floor
+    194.0 ms and tail-only floor 64.0 ms at 786 TFLOP/s."""
+    from eagle3fn.io.data import Example
+
+    S = 8192
+    example = Example(torch.zeros(S, dtype=torch.long), torch.arange(S) >= int(0.7 * S), "x")
+    dense, trimmed = bench.step_flops(bench.SHAPES["llama-3.1-8b"], [example], ttt_length=7, online=False)
+    assert dense / 786e12 * 1e3 == pytest.approx(194.0, abs=0.5)
+    assert trimmed / 786e12 * 1e3 == pytest.approx(64.0, abs=0.5)
+    online, _ = bench.step_flops(bench.SHAPES["llama-3.1-8b"], [example], ttt_length=7, online=True)
+    # the target forward: 2 * 6.98e9 decoder weights per token, plus causal attention
+    assert (online - dense) / S / 1e9 == pytest.approx(2 * 6.98 + 32 * 4 * 4096 * (S + 1) / 2 / 1e9, rel=0.01)
+
+
+def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from eagle3fn.io.data import tokenize_file
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the subprocesses: 2 contended cores crawl with 2 threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    args = bench.BenchArgs(shape="tiny", device="cpu", loops=("online", "offline"), modes=("loss",), steps=3,
+                           warmup_steps=1, batch_size=2, max_length=64, length_scale=1 / 32,
+                           work_dir=str(work), out=str(out))
+    try:
+        result = bench.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads(out.read_text())
+    assert saved["results"] == result["results"]
+    assert saved["args"]["max_length"] == 64 and saved["args"]["device"] == "cpu" and saved["commit"]
+    rows = {(r["loop"], r["mode"]): r for r in result["results"]}
+    assert set(rows) == {("online", "loss"), ("offline", "loss"), ("online", "specforge"), ("offline", "specforge")}
+
+    # The padding every run measured is the hand count over the tokenized data.
+    examples = tokenize_file(work / "data.jsonl", AutoTokenizer.from_pretrained(work / "target"), max_length=64)
+    lengths = [len(e) for e in examples]
+    assert len(lengths) == 6
+    slots = sum(2 * max(lengths[i:i + 2]) for i in range(0, 6, 2))
+    hand = 1 - sum(lengths) / slots
+    assert result["data"]["padding_frac"] == pytest.approx(hand, abs=1e-4)
+
+    for key, r in rows.items():
+        assert "error" not in r, (key, r.get("error"))
+        assert r["steps"] == 3 and r["warmup_steps"] == 1 and r["batches_match"]
+        assert r["padding_frac"] == pytest.approx(hand, abs=1e-4), key
+        assert 0 < r["tokens_per_s"] < r["padded_tokens_per_s"]
+        assert r["ms_per_step_median"] > 0 and r["startup_s"] >= 0 and r["to_steady_s"] > r["startup_s"]
+        assert isinstance(r["recompiles_after_warmup"], int) and r["recompiles_after_warmup"] >= 0
+        assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
+        assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
+        assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
+    assert rows[("offline", "loss")]["input_wait_frac"] >= 0
+    for loop in ("online", "offline"):
+        mine, theirs = rows[(loop, "loss")], rows[(loop, "specforge")]
+        assert mine["vs_specforge"] == pytest.approx(mine["tokens_per_s"] / theirs["tokens_per_s"], rel=1e-2)
+        assert mine["command"].startswith("python -m eagle3fn.cli train ")
+    assert result["prepare"]["seconds"] > 0
+    assert 0 < result["data"]["assistant_share"] < 1
+
+
+def test_recompiles_and_graphs_are_counted(bench):
+    counter = bench.RecompileCounter()
+    try:
+        graphs = counter.graphs()
+        f = torch.compile(lambda x: x.sin() + 1, backend="eager", dynamic=False)
+        for n in (2, 3, 2):
+            f(torch.ones(n))
+        assert counter.count == 1 and "Recompiling function" in counter.examples[0]
+        assert counter.graphs() - graphs == 2 and counter.limit_hits == 0
+        with torch._dynamo.config.patch(recompile_limit=1):
+            g = torch.compile(lambda x: x.cos() + 1, backend="eager", dynamic=False)
+            for n in (2, 3, 4):
+                g(torch.ones(n))
+        assert counter.limit_hits >= 1
+    finally:
+        counter.close()
+
+
+def test_gpu_sampler_averages_its_window(bench, tmp_path, monkeypatch):
+    """nvidia-smi replaced by a script printing its CSV format: busy % is the mean of
+    the samples inside the window, memory the largest sample."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nfor u in 20 40 60 80; do\n"
+                    "  echo \"$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23), $u, $((u * 64))\"\n"
+                    "  sleep 0.2\ndone\nsleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t0 = time.time() - 1
+    sampler = bench.GpuSampler("GPU-test", 100)
+    time.sleep(1.2)
+    sampler.stop()
+    assert [s[1] for s in sampler.samples] == [20, 40, 60, 80]
+    window = sampler.window(t0, time.time())
+    assert window["gpu_busy_pct"] == 50 and window["smi_samples"] == 4
+    assert window["smi_peak_used_gib"] == pytest.approx(80 * 64 / 1024)
+    assert sampler.window(t0 - 100, t0 - 50)["gpu_busy_pct"] is None
