@@ -13,7 +13,7 @@ from eagle3fn.parallel import (ParallelConfig, build_layout, collectives, full, 
                                init_distributed, pad_for_sp, reduce_grads, shard, shard_sequence)
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
 

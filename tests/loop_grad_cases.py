@@ -98,7 +98,7 @@ class Oracle:
         from eagle3fn.draft import init_params
         from eagle3fn.io.vocab_io import load_vocab_map
         from eagle3fn.train.build import draft_config_for
-        from eagle3fn.ttt import TTTConfig
+        from eagle3fn.unrolled import TTTConfig
 
         head = target.lm_head.weight.detach().double()
         draft = draft_config_for(AutoConfig.from_pretrained(cfg.model), cfg.draft_vocab_size, head.shape[0])
@@ -111,7 +111,7 @@ class Oracle:
     def grads(self, parts) -> dict[str, torch.Tensor]:
         """``sum_p weight_p * d ttt(batch_p, denominator_p) / d params`` over ``parts``, each
         ``(features, loss_mask, local_mean denominator or None for B*T, weight)``."""
-        from eagle3fn.ttt import ttt
+        from eagle3fn.unrolled import ttt
 
         trainable = {n: p for n, p in self.params.items() if p.requires_grad}
         total = {n: torch.zeros_like(p) for n, p in trainable.items()}

@@ -13,7 +13,7 @@ from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
 K, L, V, VD, H, HT, B_LOCAL = 3, 21, 53, 19, 32, 24, 2

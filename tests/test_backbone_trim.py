@@ -8,11 +8,14 @@ import pytest
 import torch
 from test_ttt import CFG, FAMILIES, K, S, assert_same, make_batch, run
 
-import eagle3fn.ttt as ttt_module
+import eagle3fn.unrolled as ttt_module
+import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.layout as layout_module
+import eagle3fn.unrolled.policy as policy_module
 from eagle3fn.align import supervised_mask
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
-from eagle3fn.ttt import computed_rows, skeleton
+from eagle3fn.unrolled import computed_rows, skeleton
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -61,7 +64,7 @@ def test_negative_control_rows_instead_of_union(family, monkeypatch):
     later rows. The same comparison must fail."""
     batch = make_batch(family, 3)
     full = run(*batch, trim="none")
-    monkeypatch.setattr(ttt_module, "computed_rows", lambda rm: rm.rows)
+    monkeypatch.setattr(layout_module, "computed_rows", lambda rm: rm.rows)
     with pytest.raises(AssertionError, match="differs"):
         assert_same(run(*batch, trim="backbone"), full, 1e-10, 1e-10)
     monkeypatch.undo()  # the same bug entering through the row map
@@ -152,7 +155,7 @@ def auto_mismatches() -> list:
     """Where ``choose_trim`` disagrees with the rule computed by loops: backbone iff
     (1 - w) * computed + w * supervised <= auto_backbone_fraction, just above and just
     below that boundary, for tail / all / empty / scattered masks and w in {0, 0.45, 1}."""
-    from eagle3fn.ttt import TTTConfig, choose_trim
+    from eagle3fn.unrolled import TTTConfig, choose_trim
 
     wrong = []
     for family in ("tail", "all", "empty", "random30"):
@@ -173,7 +176,7 @@ def test_auto_picks_by_its_score_and_stays_exact(monkeypatch):
     """trim="auto" resolves as the loop-counted rule of ``auto_mismatches`` and either
     path gives the one-rank full result. Negative control: a score on the computed
     rows alone (the session-7 rule) is caught on the scattered mask."""
-    from eagle3fn.ttt import TTTConfig, choose_trim
+    from eagle3fn.unrolled import TTTConfig, choose_trim
 
     assert auto_mismatches() == []
     for family in ("random30", "tail"):
@@ -187,14 +190,14 @@ def test_auto_picks_by_its_score_and_stays_exact(monkeypatch):
     assert choose_trim(rm, TTTConfig(draft=CFG, ttt_length=K, trim="none")) == "none"
     empty = build_rowmap(torch.zeros(0, 5, dtype=torch.bool), K)  # no rows: nothing to trim
     assert choose_trim(empty, TTTConfig(draft=CFG, ttt_length=K, trim="auto", auto_min_rows=0)) == "none"
-    monkeypatch.setattr(ttt_module, "auto_score", lambda computed, supervised, share: computed)
+    monkeypatch.setattr(policy_module, "auto_score", lambda computed, supervised, share: computed)
     assert "random30" in {family for family, share, _ in auto_mismatches() if share > 0}
 
 
 def test_auto_takes_the_full_path_below_min_rows():
     """Fewer own rows than ``auto_min_rows`` (launch-bound short batches): none, even
     where the fraction says backbone; at the threshold the fraction decides."""
-    from eagle3fn.ttt import TTTConfig, choose_trim
+    from eagle3fn.unrolled import TTTConfig, choose_trim
 
     f, lm, *_ = make_batch("tail", 3)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
@@ -224,20 +227,20 @@ def test_host_plan_equals_per_step_index_maths(family):
     B = 3
     f, lm, params, d2t, t2d = make_batch(family, B)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    plan = ttt_module._plan_steps(rm, "backbone", f, flex=True)
+    plan = layout_module._plan_steps(rm, "backbone", f, flex=True)
     computed = computed_rows(rm)
     lengths = f.attention_mask.sum(1)
     for j, (c, r) in enumerate(zip(computed, rm.rows)):
         assert torch.equal(plan.at[j], torch.searchsorted(c, r))
         if j:
             assert torch.equal(plan.within[j], torch.searchsorted(computed[j - 1], c))
-        want = ttt_module.packed_layout(c, lengths, S, ttt_module._key_len(B * S))
+        want = attention_module.packed_layout(c, lengths, S, attention_module._key_len(B * S))
         got = plan.layouts[j]
         assert got.num_queries == want.num_queries == c.numel()
         for x, y in zip((got.start, got.last, *got.tables), (want.start, want.last, *want.tables)):
             assert torch.equal(x, y)
     other = build_rowmap(supervised_mask(make_batch("single", B)[1], f.attention_mask), K)
-    wrong = ttt_module._plan_steps(other, "backbone", f, flex=True)
+    wrong = layout_module._plan_steps(other, "backbone", f, flex=True)
     assert any(not torch.equal(a, b) for a, b in zip(wrong.at, plan.at))
 
 
@@ -256,24 +259,24 @@ def test_host_plan_survives_its_upload(monkeypatch, trim):
     B = 3
     f, lm, *_ = make_batch("random30", B)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    host = ttt_module._plan_steps(rm, trim, f, flex=True)
-    monkeypatch.setattr(ttt_module, "_sends_plan", lambda device: True)
+    host = layout_module._plan_steps(rm, trim, f, flex=True)
+    monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)
     sent = []
-    real = ttt_module._upload
-    monkeypatch.setattr(ttt_module, "_upload", lambda ts, d: (sent.append(len(ts)), real(ts, d))[1])
-    moved = ttt_module._plan_steps(rm, trim, f, flex=True)
+    real = layout_module._upload
+    monkeypatch.setattr(layout_module, "_upload", lambda ts, d: (sent.append(len(ts)), real(ts, d))[1])
+    moved = layout_module._plan_steps(rm, trim, f, flex=True)
     a, b = _plan_tensors(host), _plan_tensors(moved)
     assert sent and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     if trim != "backbone":
         assert all(lay is moved.layouts[0] for lay in moved.layouts)
-        every = ttt_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
-                                         ttt_module._key_len(B * S))
+        every = attention_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
+                                               attention_module._key_len(B * S))
         assert all(torch.equal(x, y) for x, y in zip(
             (every.start, every.last, *every.tables), _plan_tensors(host)[:2 + len(every.tables)]))
         assert sent[0] == 2 + len(every.tables)  # one layout sent, not k
     rotated = lambda ts, d: (lambda out: out[1:] + out[:1])(real(ts, d))  # noqa: E731
-    monkeypatch.setattr(ttt_module, "_upload", rotated)
-    shuffled = _plan_tensors(ttt_module._plan_steps(rm, trim, f, flex=True))
+    monkeypatch.setattr(layout_module, "_upload", rotated)
+    shuffled = _plan_tensors(layout_module._plan_steps(rm, trim, f, flex=True))
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, shuffled))
 
 
@@ -281,14 +284,14 @@ def test_packed_flex_attention_checks_its_layout():
     """A layout planned for another step's rows is refused, not silently padded."""
     f, lm, *_ = make_batch("random30", 2)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    plan = ttt_module._plan_steps(rm, "backbone", f, flex=True)
+    plan = layout_module._plan_steps(rm, "backbone", f, flex=True)
     rows = computed_rows(rm)
     j = next(j for j in range(1, K) if rows[j].numel() != rows[0].numel())
     q = torch.zeros(rows[j].numel(), 2, 4)
     k0 = torch.zeros(2 * S, 1, 4)
     with pytest.raises(ValueError, match="layout is for"):
-        ttt_module.packed_flex_attention(q, rows[j], ttt_module.packed_keys(k0, k0), None,
-                                         f.attention_mask.sum(1), S, plan.layouts[0])
+        attention_module.packed_flex_attention(q, rows[j], attention_module.packed_keys(k0, k0), None,
+                                               f.attention_mask.sum(1), S, plan.layouts[0])
 
 
 def test_host_plan_runs_on_one_thread(monkeypatch):
@@ -304,7 +307,7 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        ttt_module._plan_steps(rm, "backbone", f, flex=True)
+        layout_module._plan_steps(rm, "backbone", f, flex=True)
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
 
@@ -312,7 +315,7 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
             raise RuntimeError("boom")
         monkeypatch.setattr(torch, "searchsorted", boom)
         with pytest.raises(RuntimeError, match="boom"):
-            ttt_module._plan_steps(rm, "backbone", f, flex=True)
+            layout_module._plan_steps(rm, "backbone", f, flex=True)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -325,7 +328,7 @@ def test_upload_packs_and_aligns():
     tensors = [torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int64).to(dt)
                for shape, dt in [((5,), torch.int64), ((1, 1, 3, 7), torch.int32), ((0,), torch.int32),
                                  ((1, 1, 9), torch.int32), ((130,), torch.int64)]]
-    sent = ttt_module._upload(tensors, torch.device("cpu"))
+    sent = layout_module._upload(tensors, torch.device("cpu"))
     for x, y in zip(sent, tensors):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
         assert (x.storage_offset() * x.element_size()) % 64 == 0

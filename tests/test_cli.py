@@ -31,14 +31,19 @@ FLAGS = {
                    "--generation.max-new-tokens", "--generation.temperature", "--generation.top-p",
                    "--generation.batch-size", "--generation.seed"},
     "train": {"--model", "--gguf-file", "--data", "--cache", "--out-dir", "--vocab-map",
-              "--draft-vocab-size", "--aux-layer-ids", "--max-length", "--on-error", "--ttt-length",
+              "--draft-vocab-size", "--aux-layer-ids", "--max-length", "--pack", "--no-pack", "--on-error",
+              "--ttt-length",
               "--trim", "--trim-loss-positions", "--no-trim-loss-positions",
               "--loss.step-weight-decay", "--loss.normalization", "--loss.objective",
               "--loss.kl-scale", "--loss.kl-decay", "--lr", "--warmup-ratio", "--weight-decay",
               "--grad-clip", "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--seed",
               "--save-every", "--log-every", "--device", "--parallel.ulysses", "--parallel.ring", "--parallel.timeout-s", "--eval-holdout", "--eval-every",
               "--tensorboard", "--no-tensorboard", "--preset",
-              "--precision", "--on-nonfinite"},
+              "--precision", "--on-nonfinite", "--ttt.attention", "--ttt.loss-impl", "--ttt.fused-head",
+              "--ttt.no-fused-head", "--ttt.head-chunk-rows", "--ttt.teacher-chunk-size",
+              "--ttt.auto-backbone-fraction", "--ttt.auto-loss-share", "--ttt.auto-min-rows",
+              "--ttt.compile-elementwise", "--ttt.no-compile-elementwise", "--ttt.query-buckets",
+              "--ttt.flex-kernel-options"},
     "export": {"--run", "--out", "--dtype"},
     "eval": {"--run", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",
              "--untrained", "--no-untrained"},
@@ -130,3 +135,15 @@ def test_version_comes_from_the_package_metadata():
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert eagle3fn.__version__ == declared != "0+unknown"
+
+
+def test_public_api_names_the_stages():
+    """``eagle3fn.ttt`` is the function (not a module); every exported name is documented."""
+    import inspect
+
+    import eagle3fn
+    from eagle3fn.unrolled import ttt
+
+    assert eagle3fn.ttt is ttt and callable(eagle3fn.ttt) and not inspect.ismodule(eagle3fn.ttt)
+    undocumented = [n for n in eagle3fn.__all__ if not inspect.getdoc(getattr(eagle3fn, n))]
+    assert not undocumented, undocumented

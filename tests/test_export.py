@@ -22,7 +22,7 @@ from eagle3fn.io.export import (
     rope_scaling_dict,
 )
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import backbone
+from eagle3fn.unrolled import backbone
 from eagle3fn.vocab import build_vocab_map
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from eagle3fn.align import supervised_mask
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
 pytestmark = [
@@ -173,7 +173,7 @@ def test_sequence_parallel_flex_blocks_bf16_rule(monkeypatch):
     flex = _ring_run(torch.bfloat16, "flex", upstream)
     for i, (t, f, g) in enumerate(zip(flex, eager, truth)):
         assert err(t, g) <= 1.5 * err(f, g) + 1e-5, (i, err(t, g), err(f, g))
-    monkeypatch.setattr(seqpar, "_merge_blocks", lambda o, lse, o_t, lse_t: (o, lse))
+    monkeypatch.setattr(seqpar, "merge_blocks", lambda o, lse, o_t, lse_t: (o, lse))
     dropped = _ring_run(torch.bfloat16, "flex", upstream)
     assert err(dropped[0], truth[0]) > 1.5 * err(eager[0], truth[0]) + 1e-5
 
@@ -208,3 +208,94 @@ def test_sequence_parallel_flex_blocks_memory_is_linear():
     small, large = _ring_peak(16384), _ring_peak(32768)
     assert large <= 2.2 * small, (small, large)
     assert large < 6, large  # 5.34 measured; fp32 merges took 10.81, a query copy per block 6.09
+
+
+PACK_DOCS = (300, 180, 410, 95, 260, 512, 130, 77, 350, 201)
+"""Ten conversations; first-fit into rows of 1024: [300, 180, 410, 95], [260, 512, 130, 77],
+[350, 201] (three rows with padding, documents across flex blocks)."""
+
+
+@pytest.fixture(scope="module")
+def packed_batches():
+    """The same conversations unpacked (``[10, 512]``) and packed (``[3, 1024]``,
+    ``io.packing.pack_features``), bf16-valued fp32 on the GPU, supervised on each
+    conversation's last 60%."""
+    from eagle3fn.io.packing import pack_features
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(1)
+    d2t, t2d = build_vocab_map(torch.randint(0, 1000, (CFG.vocab_size,), generator=g), CFG.draft_vocab_size)
+    head = torch.randn(CFG.vocab_size, CFG.hidden_size, generator=g) * 0.05
+    head[t2d] *= 1.5
+    lengths = torch.tensor(PACK_DOCS)
+    D, L = len(PACK_DOCS), max(PACK_DOCS)
+    pos = torch.arange(L)[None]
+    attention = (pos < lengths[:, None]).long()
+    loss_mask = (pos >= (lengths[:, None] * 0.4).long()) & attention.bool()
+    params = init_params(CFG, seed=1)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.add_(torch.randn(p.shape, generator=g) * (0.2 if "norm" in n else 0.01))
+    bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731 - bf16-valued fp32
+    real = attention[..., None].float()
+    unpacked = Features(
+        input_ids=(torch.randint(0, CFG.vocab_size, (D, L), generator=g) * attention).cuda(),
+        aux=(bf(torch.randn(D, L, 3 * CFG.hidden_size, generator=g)) * real).cuda(),
+        attention_mask=attention.cuda(),
+        final_hidden=(bf(torch.randn(D, L, CFG.hidden_size, generator=g)) * real).cuda(),
+        target_head=bf(head).cuda(),
+    )
+    packed, packed_mask = pack_features(unpacked, loss_mask.cuda(), 1024)
+    assert packed.input_ids.shape == (3, 1024)
+    params = {n: bf(p).cuda().requires_grad_(p.requires_grad) for n, p in params.items()}
+    return (unpacked, loss_mask.cuda()), (packed, packed_mask), params, d2t.cuda(), t2d.cuda()
+
+
+def _run_docs(batch, params, d2t, t2d, *, dtype, trim, attention):
+    """token_mean objective and gradients of one batch (packed when it has positions)."""
+    from eagle3fn.loss import LossConfig
+
+    features, loss_mask = batch
+    cast = lambda x: x.to(dtype) if x is not None and x.is_floating_point() else x  # noqa: E731
+    f = dataclasses.replace(features, aux=cast(features.aux), final_hidden=cast(features.final_hidden),
+                            target_head=cast(features.target_head))
+    pos = f.positions
+    rm = build_rowmap(supervised_mask(loss_mask, f.attention_mask, positions=pos), K, positions=pos)
+    ps = {n: p.detach().to(dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
+    config = TTTConfig(draft=CFG, ttt_length=K, trim=trim, attention=attention,
+                       loss=LossConfig(normalization="token_mean"))
+    out = ttt(ps, f, rm, config, d2t=d2t, t2d=t2d)
+    out.objective.backward()
+    return out, {n: p.grad.float() for n, p in ps.items() if p.requires_grad}
+
+
+@pytest.mark.parametrize("trim", ["loss", "backbone"])
+def test_packed_flex_equals_unpacked(packed_batches, trim, monkeypatch):
+    """Packed rows on the compiled flex path (document windows in the block mask),
+    forward and backward, against the same conversations unpacked on the full eager
+    path (fp32, TF32 off; token_mean, so nothing rescales): the fp32 line of SPEC 8,
+    and in bf16 the rule against the unpacked full flex path. Control: flex windows
+    blind to the documents (keys of earlier conversations in the row) miss the fp32
+    line by far."""
+    import eagle3fn.unrolled.attention as attention_module
+    import eagle3fn.unrolled.layout as layout_module
+
+    unpacked, packed, params, d2t, t2d = packed_batches
+    G = _run_docs(unpacked, params, d2t, t2d, dtype=torch.float32, trim="none", attention="eager")
+    T = _run_docs(packed, params, d2t, t2d, dtype=torch.float32, trim=trim, attention="flex")
+    assert err(T[0].kl_loss, G[0].kl_loss) <= 1e-6 and err(T[0].objective, G[0].objective) <= 1e-6
+    worst = max(err(T[1][n], G[1][n]) for n in G[1])
+    print(f"packed flex fp32 vs unpacked eager: loss {err(T[0].kl_loss, G[0].kl_loss):.2e} grads {worst:.2e}")
+    assert worst <= 1e-5, worst
+    F = _run_docs(unpacked, params, d2t, t2d, dtype=torch.bfloat16, trim="none", attention="flex")
+    Tb = _run_docs(packed, params, d2t, t2d, dtype=torch.bfloat16, trim=trim, attention="flex")
+    rows = [(f"loss_{j}", err(Tb[0].kl_loss[j], G[0].kl_loss[j]), err(F[0].kl_loss[j], G[0].kl_loss[j]))
+            for j in range(K)]
+    rows += [(n, err(Tb[1][n], G[1][n]), err(F[1][n], G[1][n])) for n in G[1]]
+    bad = [(n, t, f) for n, t, f in rows if not t <= 1.5 * f + 1e-5]
+    assert not bad, bad
+    for module in (attention_module, layout_module):
+        monkeypatch.setattr(module, "document_starts", torch.zeros_like)
+    W = _run_docs(packed, params, d2t, t2d, dtype=torch.float32, trim=trim, attention="flex")
+    assert max(err(W[1][n], G[1][n]) for n in G[1]) > 1e-3

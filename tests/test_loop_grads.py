@@ -159,6 +159,7 @@ def spawned_runs(workdir, cache, root) -> dict:
         "ring2-local": run_config(workdir, root / "ring2-local", parallel=ring),
         "cache-ring2-token": run_config(workdir, root / "cache-ring2-token", cache=str(cache), loss=TOKEN,
                                         trim="backbone", trim_loss_positions=False, parallel=ring),
+        "dp2-pack-token": run_config(workdir, root / "dp2-pack-token", loss=TOKEN, pack=True, max_length=160),
     }
 
 
@@ -190,6 +191,17 @@ def test_data_parallel_token_mean(spawned, online):
     own = [(*online.batch(i), None, 0.5) for i in items[0]]
     check(got["dp2-token"], oracle.grads(whole_step(online, items)),
           {"per-rank token means, averaged": oracle.grads(own)})
+
+
+def test_data_parallel_packed_token_mean(spawned, online):
+    """dp-2 with --pack (SPEC 9): the 8 conversations packed first-fit into 4 rows of 160,
+    two rows per micro-batch, one micro-batch per rank: the gradient of all 8
+    conversations as one unpacked batch. Control: half of them (one rank's share)."""
+    runs, got = spawned
+    cfg = runs["dp2-pack-token"]
+    oracle = Oracle.of_run(cfg, online.target)
+    check(got["dp2-pack-token"], oracle.grads(whole_step(online, [[0, 1, 2, 3]])),
+          {"half the conversations": oracle.grads(whole_step(online, [[0, 1]]))})
 
 
 def test_data_parallel_local_mean(spawned, online):

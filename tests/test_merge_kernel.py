@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import eagle3fn.kernels.merge as merge_module
-import eagle3fn.ttt as ttt_module
+import eagle3fn.unrolled.attention as ttt_module
 from eagle3fn.kernels.merge import merge_diagonal, merge_diagonal_naive
 
 
@@ -92,7 +92,7 @@ def test_negative_control_is_caught(wrong):
 def test_dispatch_and_packed_flex_forward(monkeypatch):
     """packed_flex_attention with the kernel merging the diagonal (what CUDA runs) equals
     eager attention on CPU, and the dispatch picks the kernel only where it should."""
-    from eagle3fn.ttt import eager_attention, packed_flex_attention, packed_keys
+    from eagle3fn.unrolled import eager_attention, packed_flex_attention, packed_keys
 
     q_cpu = torch.zeros(2, 4, 8)
     assert not ttt_module.use_merge_kernel(q_cpu)

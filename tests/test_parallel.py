@@ -99,7 +99,7 @@ def test_one_process_mesh_path_equals_plain_path():
 
     from eagle3fn.parallel import build_layout, collectives, full, gather, init_distributed, reduce_grads, shard
     from eagle3fn.rowmap import build_rowmap
-    from eagle3fn.ttt import TTTConfig, ttt
+    from eagle3fn.unrolled import TTTConfig, ttt
 
     features, supervised, params, d2t, t2d = global_batch("random30", 2, 1)
     rowmap = build_rowmap(supervised, K)

@@ -6,7 +6,6 @@ the real ``ttt`` builds, its row counts equal ``build_rowmap``'s and its auto ch
 ``choose_trim``'s. Each comparison has a negative control the same check must catch."""
 
 import ast
-import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -20,13 +19,19 @@ import eagle3fn.draft as draft_module
 import eagle3fn.kernels.merge as merge_kernel
 import eagle3fn.loss as loss_module
 import eagle3fn.plan as plan_module
-import eagle3fn.ttt as ttt_module
+import eagle3fn.plan.memory as plan_memory
+import eagle3fn.plan.rows as plan_rows_module
+import eagle3fn.plan.saved as plan_saved
+import eagle3fn.unrolled as unrolled
+import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.unroll as unroll_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.plan import (ALLOCATOR_OVERHEAD_BYTES, GiB, PlanArgs, estimate, format_plan, plan,
                            plan_rows, synthetic_mask)
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, choose_trim
+from eagle3fn.teacher import DEFAULT_CHUNK_SIZE
+from eagle3fn.unrolled import TTTConfig, choose_trim
 from eagle3fn.vocab import build_vocab_map
 
 # Small shapes with distinct sizes (H != h*d != g*d != I) and C = 300 (not a multiple
@@ -40,18 +45,10 @@ def small(**kwargs) -> PlanArgs:
     return PlanArgs(**{**SMALL, "dtype_bytes": 4, "attention": "eager", **kwargs})
 
 
-@contextlib.contextmanager
-def elementwise(fused: bool):
-    """The planner's view of the elementwise chains (``draft.COMPILE_ELEMENTWISE``)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(draft_module, "COMPILE_ELEMENTWISE", fused)
-        yield
-
-
-def estimate_as(args: PlanArgs, fused: bool):
-    """``estimate`` with the elementwise chains fused (the CUDA path) or eager (CPU)."""
-    with elementwise(fused):
-        return estimate(args)
+def estimate_as(args: PlanArgs, fused: bool, query_buckets: int = unrolled.DEFAULT_QUERY_BUCKETS):
+    """``estimate`` with the elementwise chains fused (the CUDA path) or eager (CPU)
+    (``TTTConfig.compile_elementwise``)."""
+    return estimate(args, compile_elementwise=fused, query_buckets=query_buckets)
 
 
 @functools.cache
@@ -61,11 +58,11 @@ def cpu_compiled() -> dict:
     compile_ = functools.partial(torch.compile, dynamic=True)
     return {(draft_module, "rms_norm"): compile_(draft_module.rms_norm.eager),
             (draft_module, "swiglu"): compile_(draft_module.swiglu.eager),
-            (ttt_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
-            (ttt_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
-            (ttt_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
-            (ttt_module, "swiglu"): compile_(draft_module.swiglu.eager),
-            (ttt_module, "merge_diagonal"): merge_kernel.merge_diagonal}
+            (unroll_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
+            (unroll_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
+            (unroll_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
+            (unroll_module, "swiglu"): compile_(draft_module.swiglu.eager),
+            (attention_module, "merge_diagonal"): merge_kernel.merge_diagonal}
 
 
 def draft_config(args: PlanArgs) -> DraftConfig:
@@ -115,7 +112,7 @@ def measure_saved(args: PlanArgs, fused: bool = False, **config_overrides):
         return pack
 
     pack = packer(saved)
-    checkpoint, teacher = loss_module.checkpoint, ttt_module._teacher
+    checkpoint, teacher = loss_module.checkpoint, unroll_module._teacher
 
     def keeping_inputs(fn, *inputs, **kwargs):
         for x in inputs:
@@ -138,14 +135,14 @@ def measure_saved(args: PlanArgs, fused: bool = False, **config_overrides):
                        attention=attention, loss_impl=args.loss_impl, **config_overrides)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loss_module, "checkpoint", keeping_inputs)
-        mp.setattr(ttt_module, "_teacher", spy_teacher)
-        mp.setattr(ttt_module, "packed_flex_attention", in_attention(ttt_module.packed_flex_attention))
-        mp.setattr(ttt_module, "eager_attention", in_attention(ttt_module.eager_attention))
+        mp.setattr(unroll_module, "_teacher", spy_teacher)
+        mp.setattr(attention_module, "packed_flex_attention", in_attention(attention_module.packed_flex_attention))
+        mp.setattr(attention_module, "eager_attention", in_attention(attention_module.eager_attention))
         mp.setattr(flex_module, "_validate_device", lambda *a, **kw: None)
         for (module, name), fn in (cpu_compiled() if fused else {}).items():
             mp.setattr(module, name, fn)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ttt_module.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
+            unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
     table_tensors = [x for t in tables
                      for x in (t.logits, t.lse_draft, t.lse_full, t.gate, t.target_token)]
     known = [*params.values(), features.aux, features.final_hidden, features.target_head,
@@ -261,14 +258,14 @@ def test_ring_attention_own_block_matches_seqpar(nbytes, B, trim, monkeypatch):
             return attention(*a)
 
     features, rm, params, d2t, t2d = batch(args)
-    collectives = ttt_module.Collectives(attend=attend, reduce_terms=list, denominator=rm.denominator)
+    collectives = unrolled.Collectives(attend=attend, reduce_terms=list, denominator=rm.denominator)
     config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim=trim, loss_impl="torch")
-    ttt_module.ttt(params, features, rm, config, d2t=d2t, t2d=t2d, collectives=collectives)
+    unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d, collectives=collectives)
     exclude = {p.untyped_storage().data_ptr() for p in params.values()}
     measured = sum(n for p, n in bucket.items() if p not in exclude)
-    model = sum(plan_module._attention_saved(args, j, kind="ring", hops=0) for j in range(args.ttt_length))
+    model = sum(plan_saved._attention_saved(args, j, kind="ring", hops=0) for j in range(args.ttt_length))
     assert rel(model, measured) < 0.10, (model, measured)
-    eager = sum(plan_module._attention_saved(args, j, kind="eager") for j in range(args.ttt_length))
+    eager = sum(plan_saved._attention_saved(args, j, kind="eager") for j in range(args.ttt_length))
     assert rel(eager, measured) > 0.10  # negative control: the one-rank eager path differs
 
 
@@ -293,7 +290,7 @@ def count_flops(args: PlanArgs) -> dict[str, int]:
     config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim=args.trim,
                        attention="eager", loss_impl="torch")
     with FlopCounterMode(display=False) as counter:
-        ttt_module.ttt(params, features, rm, config, d2t=d2t, t2d=t2d).objective.backward()
+        unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d).objective.backward()
     return {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
 
 
@@ -325,12 +322,12 @@ def real_mask_blocks(args: PlanArgs, wrong_mask=False) -> list[int]:
     builds (forward, FlexAttention's CPU reference) for the plan's synthetic batch.
     ``wrong_mask``: every query's window one key block too long (a code change the
     comparison must catch)."""
-    real_mask = ttt_module.packed_block_mask
+    real_mask = attention_module.packed_block_mask
     counts = []
 
     def spy(start, last, num_queries, key_len, mask_mod, tables=None):
         if wrong_mask:  # the tables planned on the host are those of the real windows
-            last, tables = last + ttt_module.FLEX_BLOCK, None
+            last, tables = last + attention_module.FLEX_BLOCK, None
         mask = real_mask(start, last, num_queries, key_len, mask_mod, tables)
         counts.append(int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()))
         return mask
@@ -339,9 +336,9 @@ def real_mask_blocks(args: PlanArgs, wrong_mask=False) -> list[int]:
     config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim=args.trim,
                        attention="flex", loss_impl="torch")
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        mp.setattr(ttt_module, "packed_block_mask", spy)
+        mp.setattr(attention_module, "packed_block_mask", spy)
         mp.setattr(flex_module, "_validate_device", lambda *a, **kw: None)
-        ttt_module.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
+        unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
     return counts
 
 
@@ -372,10 +369,10 @@ def test_closed_form_blocks_equal_packed_block_mask():
         real = C - int(torch.randint(0, C, (1,), generator=g)) * (trial % 2)
         density = float(torch.rand(1, generator=g))
         rows = (torch.rand(B * C, generator=g) < density).nonzero().flatten()
-        real_blocks = plan_module._mask_blocks(rows, B, C, real)
-        assert plan_module._packed_blocks(rows, C, real) == real_blocks, trial
+        real_blocks = plan_rows_module._mask_blocks(rows, B, C, real)
+        assert plan_rows_module._packed_blocks(rows, C, real) == real_blocks, trial
         # negative control: one sample of length B*C (sample starts ignored) is caught
-        caught += plan_module._packed_blocks(rows, B * C, B * C) != real_blocks
+        caught += plan_rows_module._packed_blocks(rows, B * C, B * C) != real_blocks
     assert caught > 10
 
 
@@ -399,7 +396,7 @@ def test_tail_counts_equal_rowmap(S, density, sp, B, monkeypatch):
     args = PlanArgs(**{**SMALL, "seq_len": S, "density": density}, sp=sp, batch=B, trim="backbone")
     for rank in range(sp):
         from_rowmap = plan_rows(args, rank)
-        monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
+        monkeypatch.setattr(plan_rows_module, "ROWMAP_MAX_POSITIONS", 0)
         from_counts = plan_rows(args, rank)
         monkeypatch.undo()
         assert from_rowmap == dataclasses.replace(from_counts, exact=True), rank
@@ -410,7 +407,7 @@ def test_scattered_expected_counts_close_to_rowmap(monkeypatch):
     formula (rows_j alone instead of the union of later steps) is caught."""
     args = PlanArgs(**{**SMALL, "seq_len": 40000, "density": 0.3}, pattern="scattered", trim="backbone")
     sampled = plan_rows(args)
-    monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
+    monkeypatch.setattr(plan_rows_module, "ROWMAP_MAX_POSITIONS", 0)
     expected = plan_rows(args)
     for field_ in ("loss_rows", "layer_rows", "attention_blocks"):
         for a, b in zip(getattr(expected, field_), getattr(sampled, field_)):
@@ -433,7 +430,7 @@ def test_auto_matches_choose_trim(S, density, pattern, min_rows, monkeypatch):
                        auto_min_rows=min_rows)
     assert plan_rows(args).trim == choose_trim(rm, config)
     if pattern == "tail":
-        monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
+        monkeypatch.setattr(plan_rows_module, "ROWMAP_MAX_POSITIONS", 0)
         assert plan_rows(args).trim == choose_trim(rm, config)
 
 
@@ -443,7 +440,7 @@ def test_auto_weighs_supervised_rows(closed_form, monkeypatch):
     default ``auto_loss_share`` the plan takes backbone (as measured: 0.93x none at
     8192 and 32768), on the computed rows alone (share 0) none, row map or closed form."""
     if closed_form:
-        monkeypatch.setattr(plan_module, "ROWMAP_MAX_POSITIONS", 0)
+        monkeypatch.setattr(plan_rows_module, "ROWMAP_MAX_POSITIONS", 0)
     default = PlanArgs().auto_loss_share
     took = {}
     for share in (0.0, default):
@@ -459,7 +456,7 @@ def test_auto_weighs_supervised_rows(closed_form, monkeypatch):
 def test_parameter_counts_equal_init_params():
     args = small(target_hidden=40)
     params = init_params(draft_config(args))
-    total, trainable = plan_module._param_counts(args)
+    total, trainable = plan_memory._param_counts(args)
     assert total == sum(p.numel() for p in params.values())
     assert trainable == sum(p.numel() for p in params.values() if p.requires_grad)
 
@@ -488,10 +485,8 @@ def measured_code(monkeypatch):
     buckets) and the fp32 teacher table (``probs`` and ``probs_on_draft`` ``[U, Vd]``
     fp32 + token + gate, ``U*(8*Vd + 9)`` bytes, held to the end of the step; the current
     table is compact). Returns ``peak(args, fused)`` of that code, in GiB."""
-    monkeypatch.setattr(ttt_module, "QUERY_BUCKETS", 1)
-
     def peak(args, fused=True):
-        m = estimate_as(args, fused).memory
+        m = estimate_as(args, fused, query_buckets=1).memory
         U = m.teacher_table / (args.draft_vocab * args.dtype_bytes + 17)  # compact: Vd*b + 17
         return (m.peak - m.teacher_table + U * (8 * args.draft_vocab + 9)) / GiB, m
     return peak
@@ -572,7 +567,7 @@ def test_optimizer_state_and_sharding():
     base = estimate(PlanArgs()).memory
     opt = estimate(PlanArgs(optimizer=True)).memory
     sharded = estimate(PlanArgs(optimizer=True, world=8)).memory
-    _, trainable = plan_module._param_counts(PlanArgs())
+    _, trainable = plan_memory._param_counts(PlanArgs())
     assert base.optimizer_state == 0
     assert opt.optimizer_state == trainable * 12 and opt.gradients == trainable * 4
     assert sharded.optimizer_state == trainable * 12 // 8
@@ -590,7 +585,7 @@ def test_flags_are_frozen():
         "target_hidden", "vocab", "draft_vocab", "ttt_length", "batch", "sp", "trim",
         "auto_backbone_fraction", "auto_loss_share", "auto_min_rows", "dtype_bytes", "optimizer", "world",
         "gpu_memory_gib", "head_chunk_rows", "teacher_chunk_size", "attention", "loss_impl"]
-    assert PlanArgs().teacher_chunk_size == ttt_module.DEFAULT_CHUNK_SIZE
+    assert PlanArgs().teacher_chunk_size == DEFAULT_CHUNK_SIZE
     for name in ("auto_backbone_fraction", "auto_loss_share", "auto_min_rows"):
         assert getattr(PlanArgs(), name) == TTTConfig.__dataclass_fields__[name].default
 
@@ -616,11 +611,14 @@ def test_format_and_print(capsys):
 
 
 def test_plan_module_imports_no_distributed():
-    tree = ast.parse(pathlib.Path(plan_module.__file__).read_text())
-    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not [n for n in names if "distributed" in n or "parallel" in n]
-    assert pathlib.Path(plan_module.__file__).read_text().isascii()
+    files = sorted(pathlib.Path(plan_module.__file__).parent.glob("*.py"))
+    assert len(files) > 1  # every file of the package, not only its __init__
+    for file in files:
+        tree = ast.parse(file.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [n for n in names if "distributed" in n or "parallel" in n], file
+        assert file.read_text().isascii(), file
 
 
 def test_sequence_parallel_plan_says_what_it_models():

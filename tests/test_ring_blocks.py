@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import eagle3fn.parallel.seqpar as seqpar
+import eagle3fn.unrolled.attention as attention_module
 from eagle3fn.parallel.seqpar import ring_block_attention
 
 B, H, G, S, D = 2, 4, 2, 200, 16
@@ -100,7 +101,7 @@ def test_sequence_parallel_attention_flex_equals_eager_through_ttt(monkeypatch):
     from eagle3fn.align import supervised_mask
     from eagle3fn.parallel.mesh import Layout
     from eagle3fn.rowmap import build_rowmap
-    from eagle3fn.ttt import Collectives, TTTConfig, ttt
+    from eagle3fn.unrolled import Collectives, TTTConfig, ttt
 
     f, lm, params, d2t, t2d = make_batch("random30", 2)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
@@ -117,7 +118,7 @@ def test_sequence_parallel_attention_flex_equals_eager_through_ttt(monkeypatch):
     eager, flex = run("eager"), run("flex")
     torch.testing.assert_close(flex.kl_loss, eager.kl_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(flex.acc, eager.acc)
-    monkeypatch.setattr(seqpar.ttt_module, "merge_diagonal", lambda o, lse, q, k, v, scale: o)
+    monkeypatch.setattr(attention_module, "merge_diagonal", lambda o, lse, q, k, v, scale: o)
     broken = run("flex")
     assert (broken.kl_loss - eager.kl_loss).abs().max() > 1e-6
 
@@ -128,20 +129,20 @@ def test_flex_negative_controls(monkeypatch):
     q, own, earlier, diag = make([200, 150], [[200, 200], [200, 77]], 2)
     want = dense_oracle(q, own, earlier, diag)
     with monkeypatch.context() as m:
-        m.setattr(seqpar, "_merge_blocks", lambda o, lse, o_t, lse_t: (o, lse))
+        m.setattr(seqpar, "merge_blocks", lambda o, lse, o_t, lse_t: (o, lse))
         with torch.no_grad():
             dropped = ring_block_attention(q, own, earlier, diag, "flex")
     assert (dropped - want).abs().max() > 1e-2
     with monkeypatch.context() as m:  # every own key visible: the layout's window to the block's end
-        real = seqpar.ttt_module.packed_layout
+        real = seqpar.packed_layout
 
         def acausal(rows, lengths, num_rows, key_len):
             layout = real(rows, lengths, num_rows, key_len)
             last = layout.start + lengths[layout.start // num_rows] - 1
-            return seqpar.ttt_module.PackedLayout(layout.num_queries, layout.start, last,
-                                                  seqpar.ttt_module.block_tables(layout.start, last,
-                                                                                 layout.num_queries, key_len))
-        m.setattr(seqpar.ttt_module, "packed_layout", acausal)
+            return seqpar.PackedLayout(layout.num_queries, layout.start, last,
+                                       seqpar.block_tables(layout.start, last,
+                                                           layout.num_queries, key_len))
+        m.setattr(seqpar, "packed_layout", acausal)
         with torch.no_grad():
             future = ring_block_attention(q, own, earlier, diag, "flex")
     assert (future - want).abs().max() > 1e-2

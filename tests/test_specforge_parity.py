@@ -14,7 +14,7 @@ from eagle3fn.align import supervised_mask
 from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
 
 pytest.importorskip("specforge")

@@ -28,7 +28,7 @@ from eagle3fn.speculative import (
     Proposal, SpecConfig, acceptance_stats, evaluate, propose, residual_distribution,
     sample_from, simulated_tau, speculative_generate, verify_greedy, verify_sampled,
 )
-from eagle3fn.ttt import backbone
+from eagle3fn.unrolled import backbone
 from eagle3fn.vocab import build_vocab_map
 
 V, H, VD = 128, 32, 48

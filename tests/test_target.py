@@ -30,7 +30,7 @@ from eagle3fn.io.target import (
     replace_submodules, target_features, validate_aux_layer_ids,
 )
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 
 V, H, N, B, S = 128, 32, 4, 2, 16
 AUX = (0, 1, 2)

@@ -141,7 +141,7 @@ def test_holdout_never_trains_and_is_evaluated(workdir, tmp_path):
 
     from eagle3fn.train import evaluate_holdout, load_run
     from eagle3fn.train.sources import online_source as _online_source
-    from eagle3fn.ttt import TTTConfig
+    from eagle3fn.unrolled import TTTConfig
 
     lines = (workdir / "chat.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "first6.jsonl").write_text("".join(lines[:6]))
@@ -347,3 +347,27 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     assert export == f"eagle3fn export --run {out} --out {out / 'draft'}"
     main(shlex.split(export)[1:])
     assert (out / "draft" / "config.json").exists()
+
+
+def test_every_ttt_setting_is_reachable_from_the_training_config(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """--ttt.* holds every TTTConfig field the other flags do not set, and the loop passes
+    them on (a spy on ttt sees them); a field added to TTTConfig alone fails here."""
+    import dataclasses
+
+    import eagle3fn.train.step as step_module
+    from eagle3fn.train.config import TTTOptions
+    from eagle3fn.unrolled import TTTConfig
+
+    config_fields = {f.name for f in dataclasses.fields(TTTConfig)} - {"draft", "ttt_length", "trim", "loss"}
+    assert {f.name for f in dataclasses.fields(TTTOptions)} == config_fields
+    seen = []
+    real = step_module.ttt
+    monkeypatch.setattr(step_module, "ttt", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    options = TTTOptions(attention="eager", head_chunk_rows=7, query_buckets=3, loss_impl="torch",
+                         flex_kernel_options='{"num_warps": 4}')
+    train(config(workdir, tmp_path / "opts", epochs=1, max_steps=1, ttt=options), log=lambda s: None)
+    got = seen[0]
+    assert (got.attention, got.head_chunk_rows, got.query_buckets, got.loss_impl) == ("eager", 7, 3, "torch")
+    assert got.flex_kernel_options == (("num_warps", 4),)
+    with pytest.raises(ValueError, match="not JSON"):
+        TTTOptions(flex_kernel_options="{bad")

@@ -11,7 +11,7 @@ from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params, ro
 from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.ttt import TTTConfig, backbone, eager_attention, skeleton, ttt
+from eagle3fn.unrolled import TTTConfig, backbone, eager_attention, skeleton, ttt
 from eagle3fn.vocab import build_vocab_map
 
 K, S, V, VD, H, HT = 4, 11, 61, 23, 32, 24
@@ -242,7 +242,7 @@ def test_fused_head_chunks_shrink_for_large_vocabularies(monkeypatch):
     """A fused-head chunk holds at most ``HEAD_CHUNK_LOGITS`` logits: the chunk the TTT
     hands ``head_step_terms`` shrinks with Vd (never below one row) and the result
     is the same. Fails if the cap is ignored (the chunk would be head_chunk_rows)."""
-    import eagle3fn.ttt as ttt_module
+    import eagle3fn.unrolled.unroll as ttt_module
 
     assert ttt_module.fused_head_chunk(4096, 32000) == 4096
     assert ttt_module.fused_head_chunk(4096, 262144) == 512
@@ -386,7 +386,7 @@ def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
     """FlexAttention over packed query rows (step-0 keys, then the diagonal keys merged
     by log-sum-exp) equals the dense eager attention at those rows, for B > 1 with
     padding, rows spanning samples and block edges at every length."""
-    from eagle3fn.ttt import packed_flex_attention, packed_keys
+    from eagle3fn.unrolled import packed_flex_attention, packed_keys
 
     q, keys, valid = _packed_case(C, lengths)
     B, h, _, d = q.shape
@@ -411,7 +411,8 @@ def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
 def test_packed_query_len_buckets():
     """At least the rows, whole flex blocks, at most the key length, and less than one
     bucket (key length / QUERY_BUCKETS, in blocks) of padding: few distinct shapes."""
-    from eagle3fn.ttt import FLEX_BLOCK, QUERY_BUCKETS, packed_query_len
+    from eagle3fn.unrolled import FLEX_BLOCK, packed_query_len
+    from eagle3fn.unrolled import DEFAULT_QUERY_BUCKETS as QUERY_BUCKETS
 
     for Lp in (128, 1024, 8192, 8320, 262144):
         unit = -(-Lp // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK
@@ -433,7 +434,7 @@ def test_packed_block_mask_equals_dense_derivation(C, lengths, pattern):
     queries list nothing. Negative control: windows one block too long give other lists."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eagle3fn.ttt import FLEX_BLOCK, packed_block_mask, packed_query_len
+    from eagle3fn.unrolled import FLEX_BLOCK, packed_block_mask, packed_query_len
 
     def windows(rows):
         Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
@@ -488,7 +489,7 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
     control: the same ranges without skipping padding query blocks list more pairs."""
     from torch.nn.attention.flex_attention import _transpose_ordered
 
-    from eagle3fn.ttt import FLEX_BLOCK, _transposed_tables, packed_block_mask, packed_query_len
+    from eagle3fn.unrolled.attention import FLEX_BLOCK, _transposed_tables, packed_block_mask, packed_query_len
 
     rows = _rows_of(pattern, lengths, C)
     Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
@@ -509,7 +510,7 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
         assert _listed(num, idx) == _listed(*_transpose_ordered(getattr(bm, f"{kind}kv_num_blocks"),
                                                                 getattr(bm, f"{kind}kv_indices"))), kind
         assert _listed(getattr(bm, f"{kind}q_num_blocks"), getattr(bm, f"{kind}q_indices")) == _listed(num, idx)
-    from eagle3fn.ttt import _block_mask_takes_q_tables
+    from eagle3fn.unrolled.attention import _block_mask_takes_q_tables
 
     assert _block_mask_takes_q_tables()  # this torch gets ours, not its own transposition
     wrong = _transposed_tables(*ranges, M, Lp // FLEX_BLOCK)
@@ -518,29 +519,30 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
 
 
 def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
-    """``FLEX_KERNEL_OPTIONS`` (the tuning hook ``benchmarks/attention.py`` sweeps) is
-    handed, as a copy, to FlexAttention calls on CUDA; CPU calls and an unset hook get
-    ``None`` (inductor's defaults). The options reach the FlexAttention call itself
-    (a spy on it, with the device test forced): fails if the keyword is dropped."""
+    """``TTTConfig.flex_kernel_options`` (the tuning hook ``benchmarks/attention.py``
+    sweeps) is handed, as a new dict, to FlexAttention calls on CUDA; CPU calls and an
+    unset hook get ``None`` (inductor's defaults). The options reach the FlexAttention
+    call itself (a spy on it, with the device test forced): fails if the keyword is
+    dropped."""
     import torch.nn.attention.flex_attention as flex_module
 
-    import eagle3fn.ttt as ttt_module
+    import eagle3fn.unrolled.attention as ttt_module
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert ttt_module.flex_kernel_options(cuda) is None
+    assert ttt_module.flex_kernel_options(cuda, None) is None
     options = {"bwd_num_stages": 2}
-    monkeypatch.setattr(ttt_module, "FLEX_KERNEL_OPTIONS", options)
-    got = ttt_module.flex_kernel_options(cuda)
+    hook = tuple(options.items())  # as TTTConfig holds them
+    got = ttt_module.flex_kernel_options(cuda, hook)
     assert got == options and got is not options
-    assert ttt_module.flex_kernel_options(cpu) is None
+    assert ttt_module.flex_kernel_options(cpu, hook) is None
 
     seen = []
     real = flex_module.flex_attention
     monkeypatch.setattr(flex_module, "flex_attention", lambda *a, kernel_options=None, **k: (
         seen.append(kernel_options), real(*a, **k))[1])
-    monkeypatch.setattr(ttt_module, "flex_kernel_options", lambda device: dict(options))
+    monkeypatch.setattr(ttt_module, "flex_kernel_options", lambda device, given: dict(given))
     S, rows = 8, torch.arange(8)
     k0 = torch.randn(S, 1, 4)
     ttt_module.packed_flex_attention(torch.randn(S, 2, 4), rows, ttt_module.packed_keys(k0, k0),
-                                     None, torch.tensor([S]), S)
+                                     None, torch.tensor([S]), S, kernel_options=hook)
     assert seen == [options]

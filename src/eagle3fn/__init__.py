@@ -6,13 +6,21 @@ The data flow, one stage per module::
       -> align.supervised_mask      sup = {t : m_t, t <= L-2}        bool [B, T]
       -> rowmap.build_rowmap        rows_j = {s - j}, teacher positions U, table rows
       -> teacher.teacher_table_*    draft logits [U, Vd], lse_draft / lse_full / token / gate [U]
-      -> ttt.ttt                    draft unrolled k steps (draft.py), logits_j
+      -> ttt                        draft unrolled k steps (draft.py, unrolled/), logits_j
                                     only at rows_j under trim="loss"   [n_j, Vd]
       -> loss.step_terms            gated sums and metric counts per step
       -> loss.objective             sum_j 0.8**j * loss_j, acc, accept, tau
 
+A packed batch (several conversations per row, ``io.packing``) adds one tensor,
+``Features.positions`` restarting at 0 in each conversation; passed to
+``supervised_mask`` and ``build_rowmap`` (``positions=``), it keeps every conversation
+exactly as if alone (SPEC section 9).
+
 ``reference.reference_objective`` is the dense full-length oracle of the same
 objective; ``check.trimmed_objective`` composes the trimmed stages for comparison.
+``eagle3fn.ttt`` is the function (its package is ``eagle3fn.unrolled``: config,
+unroll, attention, step layout, trim policy); the training product is
+``eagle3fn.train`` (``from eagle3fn.train import TrainConfig, train``).
 """
 
 from importlib import metadata as _metadata
@@ -24,7 +32,7 @@ from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, Objective, RowMap, StepTerms, TeacherTable
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
-from eagle3fn.ttt import TTTConfig  # the function is eagle3fn.ttt.ttt (module name kept free)
+from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map, count_tokens, validate_vocab_map
 
 try:  # one source of truth: the installed package's metadata (pyproject.toml)
@@ -56,5 +64,6 @@ __all__ = [
     "supervised_mask",
     "teacher_table_from_hidden",
     "teacher_table_from_logits",
+    "ttt",
     "validate_vocab_map",
 ]

@@ -149,7 +149,7 @@ def compare_ttt(case: RandomCase, config: LossConfig = LossConfig(), *, hidden: 
     error of every Objective field and of every parameter gradient (``grad``)."""
     from eagle3fn.draft import DraftConfig, init_params
     from eagle3fn.shapes import Features
-    from eagle3fn.ttt import TTTConfig, ttt
+    from eagle3fn.unrolled import TTTConfig, ttt
 
     B, S, V = case.target_logits.shape
     dtype = case.target_logits.dtype

@@ -37,9 +37,13 @@ class LossConfig:
     normalization: Normalization = "local_mean"
     """``local_mean``: divide step losses by ``B*C`` (every row, padded ones included;
     SpecForge/EAGLE), summed over the ranks of one sequence; data-parallel ranks and the
-    micro-batches of a gradient-accumulation step then average their means (SPEC 5).
+    micro-batches of a gradient-accumulation step then average their means (SPEC 5). A
+    packed batch (SPEC 9) divides by the positions it holds, ``B*C`` of its packed rows,
+    so its mean differs from that of the same conversations unpacked (``B*C`` of their
+    right-padded rows) by exactly the ratio of those counts; the sums are equal.
     ``token_mean``: divide by the number of gated rows of the step, summed over every
-    rank and every micro-batch of the optimizer step (as one batch would)."""
+    rank and every micro-batch of the optimizer step (as one batch would): unchanged by
+    packing."""
     objective: ObjectiveKind = "kl"
     """``kl``: soft cross-entropy. ``alpha``: LK ``-mean_gated log a``. ``lambda``: LK
     ``w*kl + (1-w)*(1-accept)`` with ``w = kl_scale*exp(-kl_decay*accept)``."""

@@ -8,6 +8,10 @@ Row ``p`` at step ``j`` is taught by position ``s = p + j``, so a supervised
 position ``s`` emits row ``s - j`` at step ``j``: the rows shift down by one per step
 while the teacher positions stay put. Tail positions ``s >= C`` teach own rows at
 deeper steps but never emit rows (``s - j < C``).
+
+Packed sequences (SPEC 9): with ``positions`` (t's position inside its document,
+restarting at 0 at each one) a row never leaves its teacher's document:
+``s - j >= start(doc(s)) = s - positions[s]``, i.e. ``j <= positions[s]``.
 """
 
 from __future__ import annotations
@@ -18,13 +22,20 @@ import torch.nn.functional as F
 from eagle3fn.shapes import RowMap
 
 
-def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int) -> torch.Tensor:
-    """``win[j, b, p] = mask[b, p + j]`` (False past T): bool ``[k, B, C]``."""
+def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int,
+                  positions_BT: torch.Tensor | None) -> torch.Tensor:
+    """``win[j, b, p] = mask[b, p + j]`` and ``positions[b, p + j] >= j`` (False past
+    T): bool ``[k, B, C]``."""
     padded = F.pad(mask_BT, (0, ttt_length))
-    return torch.stack([padded[:, j : j + num_rows] for j in range(ttt_length)])
+    if positions_BT is None:
+        return torch.stack([padded[:, j : j + num_rows] for j in range(ttt_length)])
+    pos = F.pad(positions_BT, (0, ttt_length), value=-1)
+    return torch.stack([padded[:, j : j + num_rows] & (pos[:, j : j + num_rows] >= j)
+                        for j in range(ttt_length)])
 
 
-def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None) -> RowMap:
+def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None, *,
+                 positions: torch.Tensor | None = None) -> RowMap:
     """Build the row map of a batch from its supervised-position mask.
 
     Args:
@@ -32,9 +43,13 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
         ttt_length: k >= 1, the number of TTT steps.
         num_rows: C, own rows per sample (default T). Positions ``s >= C`` are a
             sequence-parallel overlap tail: they teach, they never emit rows.
+        positions: int64 ``[B, T]`` or None, a packed batch's positions inside each
+            document (restarting at 0; ``Features.positions``): rows stay in their
+            teacher's document, ``j <= positions[b, s]`` (SPEC 9). None: one document.
 
     Returns:
-        RowMap with ``rows[j] = sorted{b*C + s - j : mask[b,s], j <= s, s - j < C}``,
+        RowMap with ``rows[j] = sorted{b*C + s - j : mask[b,s], j <= s, s - j < C}``
+        (and ``j <= positions[b, s]``),
         ``teacher_positions`` = sorted flat ``b*T + s`` reached by some step,
         ``table_rows[j]`` aligned with ``rows[j]``, ``backbone_rows``, ``step0_rows``,
         ``denominator = B*C`` and ``dead_steps``. All tensors live on ``mask.device``.
@@ -56,10 +71,12 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
             f"num_rows must be an int in [0, T={T}] (own rows cannot exceed the buffer "
             f"length), got {num_rows!r}"
         )
+    if positions is not None and positions.shape != mask.shape:
+        raise ValueError(f"positions shape {tuple(positions.shape)} != mask shape {tuple(mask.shape)}")
     k = ttt_length
     device = mask.device
 
-    win_kBC = _step_windows(mask, k, C)
+    win_kBC = _step_windows(mask, k, C, positions)
     # Rows any step >= j still needs: a suffix OR over the step windows.
     need_kBC = win_kBC.flip(0).to(torch.int32).cumsum(dim=0).flip(0) > 0
     # Every row list from one nonzero (two host syncs in all, not one per list).
@@ -68,9 +85,13 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     lists = flags.nonzero()[:, 1].contiguous().split(counts)
     rows = lists[:k]
 
-    # A supervised s is reached iff some j < k has j <= s and s - j < C.
+    # A supervised s is reached iff some j < k has j <= s (j <= positions[s]) and
+    # s - j < C: iff s minus the deepest such j is below C.
     pos_T = torch.arange(T, device=device)
-    reached_BT = mask & ((pos_T - (k - 1)).clamp_min(0) < C)[None, :]
+    deepest = pos_T.clamp_max(k - 1)[None, :]
+    if positions is not None:
+        deepest = torch.minimum(deepest, positions)
+    reached_BT = mask & (pos_T - deepest < C)
     teacher_positions = reached_BT.flatten().nonzero().flatten()
     table_index_BT = torch.cumsum(reached_BT.flatten(), dim=0) - 1
 

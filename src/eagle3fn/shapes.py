@@ -27,7 +27,13 @@ class Features:
         target_logits: ``[B, T, V]`` or None, ``z_t`` (predicts ``x_{t+1}``).
         final_hidden: ``[B, T, Ht]`` or None, the target's hidden after its final norm.
         target_head: ``[V, Ht]`` or None, the target's lm_head weight.
-        positions: int64 ``[B, T]`` or None (``arange``): RoPE positions.
+        positions: int64 ``[B, T]`` or None (``arange``): t's RoPE position inside its
+            document. A packed batch (SPEC 9) holds several documents (conversations)
+            per row and restarts positions at 0 in each, so the document holding t
+            starts at ``t - positions[b, t]`` (``align.document_starts``); padding
+            continues the last document. Under sequence parallelism a chunk's global
+            positions (its document began before the buffer). None: one document per
+            row, every current path unchanged.
     """
 
     input_ids: torch.Tensor
@@ -54,7 +60,8 @@ class RowMap:
             ``j >= 1`` is ``union_{j' >= j} rows[j']`` (sorted).
         step0_rows: int64, sorted ``union_j rows[j] = rows[0] | backbone_rows[1]``: the
             rows whose step-0 layer output the trimmed backbone computes.
-        denominator: ``B*C``, the ``local_mean`` divisor (padded rows included).
+        denominator: ``B*C``, the ``local_mean`` divisor (padded rows included; a packed
+            batch: every position of its packed rows, SPEC 9).
         dead_steps: k bools, ``rows[j]`` is empty.
         batch_size: B.
         num_rows: C, own rows per sample.

@@ -25,7 +25,7 @@ values of every context row ``p <= t`` (at RoPE position p, built from ``fc(a_p)
 section 3's pattern for row ``p = t``: step-0 keys ``{q' <= p}`` (every context row, since
 t is the last) plus the row's own keys of steps ``1..j``, at ``pos[p] + j``; the chain
 is the TTT unroll of its last row, with the proposals in place of the teacher-forced
-tokens ``ids'[t + j]``. ``tests/test_speculative.py`` checks it against ``ttt.backbone``.
+tokens ``ids'[t + j]``. ``tests/test_speculative.py`` checks it against ``unrolled.backbone``.
 After a round, the accepted positions get step-0 keys from their target aux features
 (the draft's own step keys are dropped), as a serving engine refills its draft cache.
 
@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3fn.align import supervised_mask
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, rope_cos_sin
+from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, elementwise, rope_cos_sin
 from eagle3fn.io.target import TargetModel, target_features
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
-from eagle3fn.ttt import TTTConfig, skeleton, ttt
+from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT, TTTConfig, skeleton, ttt
 
 
 @dataclass(kw_only=True)
@@ -228,7 +228,8 @@ def _chooser(d2t: torch.Tensor, vocab_size: int, temperature: float,
 
 class _Chain(nn.Module):
     """``forward`` = the chain unroll of the last context row; run with
-    ``functional_call`` on ``ttt.skeleton`` (the same layer code as TTT)."""
+    ``functional_call`` on ``unrolled.skeleton`` (the same layer code as TTT; its
+    elementwise chains compiled on CUDA unless ``EAGLE3FN_COMPILE=0``)."""
 
     def __init__(self, draft: Eagle3Draft) -> None:
         super().__init__()
@@ -247,8 +248,8 @@ class _Chain(nn.Module):
         x = proj(u_N2H).view(u_N2H.shape[0], n, cfg.d).transpose(0, 1)
         if position is None:
             return x
-        cos, sin = rope_cos_sin(position, cfg.rope, cfg.d, x.dtype)
-        return apply_rope(x, cos[None], sin[None])
+        cos, sin = rope_cos_sin(position, cfg.rope, cfg.d, x.dtype, COMPILE_ELEMENTWISE_DEFAULT)
+        return elementwise(apply_rope, COMPILE_ELEMENTWISE_DEFAULT)(x, cos[None], sin[None])
 
     def forward(self, aux_C3: torch.Tensor, ids_T: torch.Tensor, num_tokens: int,
                 choose: Choose) -> tuple[list[int], list, list[torch.Tensor]]:
@@ -286,7 +287,7 @@ class _Chain(nn.Module):
 def _attend(q_h1d: torch.Tensor, k_gMd: torch.Tensor, v_gMd: torch.Tensor) -> torch.Tensor:
     """One query row over M keys, no mask (every key is visible): ``[1, h*d]``.
 
-    As ``ttt.eager_attention``: query head i reads kv head ``i // (h / g)``, scores in
+    As ``unrolled.eager_attention``: query head i reads kv head ``i // (h / g)``, scores in
     the input dtype times ``1/sqrt(d)``, softmax in fp32 (fp64 for fp64).
     """
     h, _, d = q_h1d.shape
@@ -447,7 +448,7 @@ def _t2d(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
                   draft_cfg: DraftConfig, d2t: torch.Tensor, sequences: Sequence[torch.Tensor],
                   prompt_lengths: Sequence[int], ttt_length: int) -> Objective:
-    """The training-time objective and metrics (``ttt.ttt``, SPEC section 5) on texts.
+    """The training-time objective and metrics (``unrolled.ttt``, SPEC section 5) on texts.
 
     Each sequence (int64 ``[T_i]``, prompt + generated) is one right-padded sample of a
     batch; the loss mask is ``m_p = 1`` for ``p >= L_i - 1`` (``L_i`` its prompt length),
@@ -487,7 +488,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         prompts), ``per_position_acceptance`` (k floats, rounds of all prompts pooled),
         ``n_prompts``, ``tokens`` (new tokens, all prompts), ``rounds``,
         ``target_forwards`` (prefills included), ``simulated_tau`` and ``simulated_acc``
-        (k floats): ``ttt.ttt``'s tau and per-step acc with ``ttt_length = k`` on the
+        (k floats): ``unrolled.ttt``'s tau and per-step acc with ``ttt_length = k`` on the
         prompts + generated texts (``simulated_tau``).
     """
     if not prompts:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagle3fn.draft import fused_on_cuda
+from eagle3fn.draft import elementwise, fused_on_cuda
 from eagle3fn.shapes import TeacherTable
 
 DEFAULT_CHUNK_SIZE = 32768
@@ -77,6 +77,7 @@ def teacher_table_from_hidden(
     t2d: torch.Tensor,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compile_elementwise: bool = True,
 ) -> TeacherTable:
     """Teacher table streamed from ``(final hidden, lm_head)`` over vocab chunks.
 
@@ -93,6 +94,8 @@ def teacher_table_from_hidden(
         t2d: bool ``[V]``.
         chunk_size: vocab entries per block (peak extra memory ``~12 * U * chunk_size``
             bytes beside the table).
+        compile_elementwise: each block's running update fused into one or two
+            compiled kernels on CUDA (``draft.fused_on_cuda``); off: eager.
 
     Returns:
         TeacherTable with ``logits: [U, Vd]`` in the dtype of the head's matmul (bf16
@@ -128,13 +131,14 @@ def teacher_table_from_hidden(
     run_max = torch.full((U,), float("-inf"), dtype=dtype, device=device)
     run_sum = torch.zeros(U, dtype=dtype, device=device)
     best_id = torch.zeros(U, dtype=torch.long, device=device)
+    update = elementwise(_chunk_update, compile_elementwise)
     for c, start in enumerate(range(0, V, chunk_size)):
         end = min(start + chunk_size, V)
         z = F.linear(hidden_UH, lm_head_VH[start:end])  # [U, chunk], as produced
         if bounds[c + 1] > bounds[c]:
             logits[:, bounds[c]:bounds[c + 1]] = z.index_select(
                 1, draft_ids[bounds[c]:bounds[c + 1]] - start)
-        run_max, run_sum, best_id = _chunk_update(z, run_max, run_sum, best_id, start)
+        run_max, run_sum, best_id = update(z, run_max, run_sum, best_id, start)
     lse_draft = _draft_lse(logits, dtype, U * chunk_size // max(Vd, 1))
     return _table(logits, lse_draft, run_max + torch.log(run_sum), best_id, t2d)
 

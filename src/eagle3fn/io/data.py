@@ -12,6 +12,10 @@ The stages, in order::
     batches(examples, seed=...)       deterministic shuffled groups of examples
     collate(examples, pad_token_id)   input_ids / attention_mask / loss_mask [B, S]
 
+or, packed (``--pack``, SPEC 9), several conversations per row of ``max_length``
+tokens, first-fit in file order: ``io.packing.pack_examples`` and ``collate_packed``
+(which adds ``position_ids [B, S]``, restarting at 0 in each conversation).
+
 ``loss_mask`` is SPEC section 1's chat mask ``m_t``: 1 on every token of an assistant
 turn's content and on its end-of-turn token, 0 on the template's headers, on the
 other roles and on padding. It stays unshifted; ``eagle3fn.align.supervised_mask``

@@ -28,7 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3fn.draft import ROPE_TYPE_KEYS, DraftConfig, Eagle3Draft, RopeConfig
+from eagle3fn.draft import DraftConfig, Eagle3Draft
+from eagle3fn.rope import ROPE_TYPE_KEYS, RopeConfig
 from eagle3fn.vocab import validate_vocab_map
 
 CONFIG = "config.json"

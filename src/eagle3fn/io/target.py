@@ -451,6 +451,7 @@ def target_features(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
+    position_ids: torch.Tensor | None = None,
     check_head: bool = True,
     **model_inputs,
 ) -> Features:
@@ -460,6 +461,12 @@ def target_features(
         target: from ``load_target``.
         input_ids: int64 ``[B, S]``, right-padded (image placeholder tokens included).
         attention_mask: ``[B, S]``, 1 on real tokens.
+        position_ids: int64 ``[B, S]`` or None: a packed batch (SPEC 9), positions
+            restarting at 0 in each document (``io.packing.collate_packed``). The model
+            runs on them without a 2-D mask: transformers' packed-sequence support
+            (``masking_utils.find_packed_sequence_indices``) then attends causally
+            inside each document, and every document's features equal its own alone
+            (right padding comes after every real token). Text targets only.
         check_head: compare the model's own last-position logits with
             ``final_hidden @ lm_head.T`` and raise ValueError if they differ by more than
             ``HEAD_CHECK_RTOL * max|z|`` (a logit transform no config field announced).
@@ -470,9 +477,14 @@ def target_features(
         Features with ``aux [B, S, 3*Ht]`` (the residual stream after each aux layer,
         before any norm, concatenated in ``aux_layer_ids`` order), ``final_hidden
         [B, S, Ht]`` (after the final norm), ``target_head [V, Ht]`` (the lm_head weight,
-        not copied), ``target_logits=None``, and ``input_ids`` / ``attention_mask`` as
-        given. Hooks are removed before returning, also on error.
+        not copied), ``target_logits=None``, and ``input_ids`` / ``attention_mask`` /
+        ``positions`` (= ``position_ids``) as given. Hooks are removed before
+        returning, also on error.
     """
+    if position_ids is not None and (model_inputs or position_ids.shape != input_ids.shape):
+        raise UsageError(f"packed batches (position_ids {tuple(position_ids.shape)}) are for text targets "
+                         f"with input_ids of that shape {tuple(input_ids.shape)}; got model inputs "
+                         f"{sorted(model_inputs)}: pass multimodal batches unpacked")
     backbone = target.backbone
     capture = _Capture(len(target.aux_layer_ids))
     handles = []
@@ -485,7 +497,11 @@ def target_features(
         if "logits_to_keep" in inspect.signature(target.model.forward).parameters:
             kwargs["logits_to_keep"] = 1  # only the check reads logits: [B, 1, V], not [B, S, V]
         kwargs.update(model_inputs)
-        out = target.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if position_ids is None:
+            kwargs["attention_mask"] = attention_mask
+        else:  # a 2-D mask would turn transformers' packed-sequence detection off
+            kwargs["position_ids"] = position_ids
+        out = target.model(input_ids=input_ids, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -509,7 +525,7 @@ def target_features(
     if check_head:
         _check_logits(out.logits[:, -1], final_hidden[:, -1], head)
     return Features(input_ids=input_ids, aux=aux, attention_mask=attention_mask,
-                    final_hidden=final_hidden, target_head=head)
+                    final_hidden=final_hidden, target_head=head, positions=position_ids)
 
 
 def _check_logits(model_logits_BV: torch.Tensor, hidden_BH: torch.Tensor,

@@ -3,7 +3,7 @@ dtypes, contiguity) -> ``autograd.Function`` -> public function. Every kernel ha
 readable PyTorch twin beside it that the tests compare outputs and gradients with.
 
 ``loss.py`` reaches the soft cross-entropy through its ``impl="triton"`` switch and
-``ttt.merge_diagonal`` the diagonal-key merge (CUDA only); nothing else imports them.
+``unrolled.merge_diagonal`` the diagonal-key merge (CUDA only); nothing else imports them.
 """
 
 from eagle3fn.kernels.merge import merge_diagonal, merge_diagonal_naive

@@ -22,11 +22,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from einops import rearrange, repeat
 
-from eagle3fn import ttt as ttt_module
+from eagle3fn.errors import UsageError
 from eagle3fn.parallel.mesh import Layout
 from eagle3fn.shapes import Features, StepTerms
-from eagle3fn.ttt import Collectives
+from eagle3fn.unrolled import (COMPILE_ELEMENTWISE_DEFAULT, Collectives, PackedLayout, block_tables,
+                               merge_blocks, merge_diagonal_as, pack_queries, packed_flex_attention,
+                               packed_keys, packed_layout)
 
 
 def chunk_window(length: int, sp: int, sp_rank: int, ttt_length: int) -> tuple[int, int]:
@@ -75,6 +78,11 @@ def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_
     positions = features.positions
     if positions is None:
         positions = torch.arange(L, device=features.input_ids.device).expand(B, -1)
+    elif sp > 1 and bool((positions[:, 1:] != positions[:, :-1] + 1).any()):
+        # The cross-rank attention and the row maps of a chunk know no document bounds.
+        raise UsageError("a packed batch (positions restarting per document) cannot be split by "
+                         "sequence parallelism; train it with --parallel.ring 1 --parallel.ulysses 1 "
+                         "or without --pack")
     last = positions[:, -1:]
     extended = torch.cat([positions, last + torch.arange(1, T + 1, device=last.device)], dim=1)
     local = Features(
@@ -137,22 +145,23 @@ def ring_pass(x: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[B, n, C, d]`` (all heads, this rank's chunk) -> ``[B, n/u, u*C, d]`` (this
+    rank's heads, the whole sequence): head group ``r`` goes to rank ``r``."""
     u = dist.get_world_size(group)
-    B, n, C, d = x.shape
-    send = x.reshape(B, u, n // u, C, d).permute(1, 0, 2, 3, 4).contiguous()
+    send = rearrange(x, "b (u m) c d -> u b m c d", u=u).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, n // u, u * C, d)
+    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's chunk
+    return rearrange(recv, "u b m c d -> b m (u c) d")
 
 
 def _heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """``[B, m, u*C, d]`` (this rank's heads, the whole sequence) -> ``[B, u*m, C, d]``
+    (all heads, this rank's chunk): the inverse of ``_seq_to_heads``."""
     u = dist.get_world_size(group)
-    B, m, S, d = y.shape
-    C = S // u
-    send = y.reshape(B, m, u, C, d).permute(2, 0, 1, 3, 4).contiguous()
+    send = rearrange(y, "b m (u c) d -> u b m c d", u=u).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(B, u * m, C, d)
+    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's head group
+    return rearrange(recv, "u b m c d -> b (u m) c d")
 
 
 class _UlyssesAllToAll(torch.autograd.Function):
@@ -184,7 +193,7 @@ def _partial_attention(q, k, v, allowed, diag=()):
     """Attention of ``q [B, h, S, d]`` over ``k, v [B, h, Sk, d]`` where ``allowed``
     (broadcast to ``[B, h, S, Sk]``), plus per-row diagonal keys ``diag`` (pairs of
     ``[B, h, S, d]``). Returns ``(out [B, h, S, d], lse [B, h, S])``; softmax in fp32
-    (fp64 for fp64), as ``ttt.eager_attention``."""
+    (fp64 for fp64), as ``unrolled.eager_attention``."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -212,27 +221,12 @@ def _prefix_lengths(valid_BS: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def _merge_blocks(o, lse, o_t, lse_t):
-    """Merge two partial attentions by log-sum-exp (the flex path's): ``o [N, h, d]``
-    (any dtype) with natural log-sum-exp ``lse [N, h]`` (fp32; ``-inf``: the row saw no
-    key there). The weights are fp32 ``[N, h]``, the weighted sum is in ``o``'s dtype
-    (as the eager merge), so nothing ``[N, h, d]``-sized is kept in fp32. NaN-free when both are
-    ``-inf`` (the result is 0 with ``-inf``); the shift by the larger ``lse`` is a
-    constant of the maths, so it carries no gradient."""
-    top = torch.maximum(lse, lse_t).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w, w_t = torch.exp(lse - top), torch.exp(lse_t - top)
-    denom = w + w_t
-    seen = denom > 0
-    safe = torch.where(seen, denom, torch.ones_like(denom))
-    out = (w / safe).to(o.dtype)[..., None] * o + (w_t / safe).to(o.dtype)[..., None] * o_t
-    return out, torch.where(seen, top + torch.log(safe), torch.full_like(top, -math.inf))
-
-
 def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          earlier: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
                          diag: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), impl: str = "eager",
-                         cache: dict | None = None) -> torch.Tensor:
+                         cache: dict | None = None, *,
+                         kernel_options: tuple[tuple[str, object], ...] | None = None,
+                         fused: bool = COMPILE_ELEMENTWISE_DEFAULT) -> torch.Tensor:
     """The EAGLE-3 step attention of one (super-)chunk's queries over its own step-0 keys
     (causal), the step-0 keys of earlier chunks (in full) and each row's diagonal keys,
     merged by log-sum-exp: the local part of ``SequenceParallelAttention``, with no
@@ -247,19 +241,23 @@ def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor,
         impl: ``eager`` (explicit ``[B, hq, S, S]`` scores, fp32 softmax, any device and
             dtype, autograd) or ``flex`` (FlexAttention per block with block-sparse
             tables, memory linear in S, the diagonal keys merged by
-            ``ttt.merge_diagonal``; needs right-padded validity; backward on CUDA only).
+            ``unrolled.merge_diagonal``; needs right-padded validity; backward on CUDA
+            only).
         cache: a dict kept across the steps of one batch (the flex path packs each
             block's keys and builds its layout once; they are the same at every step).
+        kernel_options, fused: the flex path's ``TTTConfig.flex_kernel_options`` and
+            ``TTTConfig.compile_elementwise`` (the diagonal merge's kernel).
 
     Returns:
         ``[B, hq, S, d]`` in ``q``'s dtype.
     """
     if impl == "flex":
-        return _flex_blocks(q, own, earlier, diag, {} if cache is None else cache)
+        return _flex_blocks(q, own, earlier, diag, {} if cache is None else cache,
+                            kernel_options, fused)
     if impl != "eager":
         raise ValueError(f"impl must be 'eager' or 'flex', got {impl!r}")
     hq, S = q.shape[1], q.shape[2]
-    expand = lambda x: x.repeat_interleave(hq // x.shape[1], dim=1)  # noqa: E731
+    expand = lambda x: repeat(x, "b g s d -> b (g r) s d", r=hq // x.shape[1])  # noqa: E731 - GQA
     k0, v0, valid = own
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     allowed = causal[None, None] & valid[:, None, None, :]
@@ -276,42 +274,41 @@ def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor,
     return out
 
 
-def _flex_blocks(q, own, earlier, diag, cache):
+def _flex_blocks(q, own, earlier, diag, cache, kernel_options, fused):
     """``ring_block_attention``'s flex path: rows flattened to ``N = B*S`` packed
-    queries (``ttt.packed_flex_attention``), one BlockMask per block."""
+    queries (``unrolled.packed_flex_attention``), one BlockMask per block."""
     B, hq, S, d = q.shape
     N = B * S
-    flat = lambda x: x.transpose(1, 2).reshape(N, x.shape[1], d)  # noqa: E731  [B, h, S, d] -> [N, h, d]
+    flat = lambda x: rearrange(x, "b h s d -> (b s) h d")  # noqa: E731
     q_N = flat(q)
     if "blocks" not in cache:  # once per batch: packed keys, lengths and layouts of every block
         rows = torch.arange(N, device=q.device)
-        keys = ttt_module.packed_keys(flat(own[0]), flat(own[1]))
+        keys = packed_keys(flat(own[0]), flat(own[1]))
         Lp = keys[0].shape[2]
         lengths = _prefix_lengths(own[2])
-        layout = ttt_module.packed_layout(rows, lengths, S, Lp)
+        layout = packed_layout(rows, lengths, S, Lp)
         blocks = [(keys, lengths, layout)]
         for k_t, v_t, valid_t in earlier:
             n_t = _prefix_lengths(valid_t)
             last = layout.start + n_t[layout.start // S] - 1  # the whole real block
-            blocks.append((ttt_module.packed_keys(flat(k_t), flat(v_t)), n_t,
-                           ttt_module.PackedLayout(N, layout.start, last,
-                                                   ttt_module.block_tables(layout.start, last, N, Lp))))
+            blocks.append((packed_keys(flat(k_t), flat(v_t)), n_t,
+                           PackedLayout(N, layout.start, last, block_tables(layout.start, last, N, Lp))))
         cache.update(rows=rows, blocks=blocks, num_packed=layout.start.shape[0])
     rows = cache["rows"]
-    q_packed = ttt_module.pack_queries(q_N, cache["num_packed"])  # once for all blocks
+    q_packed = pack_queries(q_N, cache["num_packed"])  # once for all blocks
     out = lse = None
     for keys, lengths, layout in cache["blocks"]:
-        o_t, lse_t = ttt_module.packed_flex_attention(q_N, rows, keys, None, lengths, S, layout,
-                                                      return_lse=True, q_packed=q_packed)
+        o_t, lse_t = packed_flex_attention(q_N, rows, keys, None, lengths, S, layout, return_lse=True,
+                                           q_packed=q_packed, kernel_options=kernel_options)
         if out is None:
             out, lse = o_t, lse_t
         else:
-            out, lse = _merge_blocks(out, lse, o_t, lse_t)
+            out, lse = merge_blocks(out, lse, o_t, lse_t)
     if diag:
         k_j = torch.stack([flat(k) for k, _ in diag])
         v_j = torch.stack([flat(v) for _, v in diag])
-        out = ttt_module.merge_diagonal(out, lse, q_N, k_j, v_j, 1.0 / math.sqrt(d))
-    return out.view(B, S, hq, d).transpose(1, 2)
+        out = merge_diagonal_as(fused)(out, lse, q_N, k_j, v_j, 1.0 / math.sqrt(d))
+    return rearrange(out, "(b s) h d -> b h s d", b=B)
 
 
 class SequenceParallelAttention:
@@ -328,14 +325,19 @@ class SequenceParallelAttention:
 
     ``impl``: ``eager`` (explicit scores, any device: memory grows with ``C*S``),
     ``flex`` (FlexAttention per block, memory linear in the rows; CUDA for training),
-    ``auto`` (flex on CUDA, else eager).
+    ``auto`` (flex on CUDA, else eager). ``kernel_options``, ``compile_elementwise``:
+    the flex path's ``TTTConfig`` settings of those names.
     """
 
-    def __init__(self, layout: Layout, impl: str = "auto") -> None:
+    def __init__(self, layout: Layout, impl: str = "auto", *,
+                 kernel_options: tuple[tuple[str, object], ...] | None = None,
+                 compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> None:
         if impl not in ("auto", "eager", "flex"):
             raise ValueError(f"impl must be 'auto', 'eager' or 'flex', got {impl!r}")
         self.layout = layout
         self.impl = impl
+        self.kernel_options = kernel_options
+        self.compile_elementwise = compile_elementwise
         self._keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._valid = None
         self._ring = None
@@ -359,7 +361,7 @@ class SequenceParallelAttention:
         rep = 1 if g % u == 0 else h // g
         for k, v in keys[len(self._keys):]:
             if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                k, v = (repeat(x, "b g c d -> b (g r) c d", r=rep) for x in (k, v))
             self._keys.append((self._to_heads(k), self._to_heads(v)))
         if self._valid is None:
             valid = valid_BC.bool()
@@ -378,7 +380,8 @@ class SequenceParallelAttention:
         ring = self._ring[1:lay.ring_rank + 1] if self._ring else []
         earlier = [(kv[0], kv[1], valid) for kv, valid in ring]
         impl = self.impl if self.impl != "auto" else ("flex" if qh.is_cuda else "eager")
-        out = ring_block_attention(qh, (k0, v0, self._valid), earlier, self._keys[1:], impl, self._cache)
+        out = ring_block_attention(qh, (k0, v0, self._valid), earlier, self._keys[1:], impl, self._cache,
+                                   kernel_options=self.kernel_options, fused=self.compile_elementwise)
         if u == 1:
             return out
         return _UlyssesAllToAll.apply(out, lay.group("ulysses"), False)
@@ -412,7 +415,8 @@ def reduce_terms(terms: Sequence[StepTerms], group=None) -> list[StepTerms]:
 
 
 def collectives(layout: Layout, denominator: int, device: torch.device,
-                attention: str = "auto") -> Collectives:
+                attention: str = "auto", *, kernel_options: tuple[tuple[str, object], ...] | None = None,
+                compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> Collectives:
     """The ``Collectives`` of one batch: cross-rank attention when the sequence is
     split, the sums reduced over every rank, and the ``local_mean`` divisor and scale.
 
@@ -424,14 +428,16 @@ def collectives(layout: Layout, denominator: int, device: torch.device,
     groups with data), so ``sum_r loss_scale_r * loss_sum_r / D`` is that mean of group
     means in value and in gradient. ``attention``: the local attention's
     implementation (``TTTConfig.attention``: auto, eager, flex;
-    ``SequenceParallelAttention``)."""
+    ``SequenceParallelAttention``); ``kernel_options``, ``compile_elementwise``: its
+    flex path's ``TTTConfig.flex_kernel_options`` and ``compile_elementwise``."""
     groups = torch.zeros(layout.dp, dtype=torch.int64, device=device)
     groups[layout.dp_rank] = denominator
     dist.all_reduce(groups)  # D_g: the group's ranks each add their own B*C
     total = groups.sum()
     own, n = groups[layout.dp_rank], (groups > 0).sum()
     scale = total.double() / (n * own).clamp(min=1).double() if denominator else total.double() * 0
-    attend = SequenceParallelAttention(layout, impl=attention) if layout.sp > 1 else None
+    attend = SequenceParallelAttention(layout, impl=attention, kernel_options=kernel_options,
+                                       compile_elementwise=compile_elementwise) if layout.sp > 1 else None
     return Collectives(attend=attend, reduce_terms=reduce_terms, denominator=total, loss_scale=scale)
 
 

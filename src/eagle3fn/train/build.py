@@ -25,7 +25,7 @@ from eagle3fn.parallel import (Layout, build_layout, distribute_like, full, full
 from eagle3fn.train.checkpoint import CHECKPOINT, check_resume, read_checkpoint, run_fingerprint, save_checkpoint
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.sources import Source, compute_dtype, load_target_for, offline_source, online_source, prompt_of
-from eagle3fn.ttt import TTTConfig
+from eagle3fn.unrolled import TTTConfig
 
 
 def draft_config_for(model_config, draft_vocab_size: int, vocab_size: int,
@@ -254,7 +254,8 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     # One micro-batch = dp consecutive batches of the order, one per data-parallel rank.
     per_epoch = math.ceil(len(source.items) / (world["dp"] * cfg.grad_accum))
     total = min(cfg.max_steps or cfg.epochs * per_epoch, cfg.epochs * per_epoch)
-    ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss)
+    ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
+                        **cfg.ttt.config_fields())
     run = Run(cfg=cfg, device=device, precision=precision, layout=layout, out=out, target=target,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,

@@ -9,14 +9,77 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from eagle3fn.errors import UsageError
 from eagle3fn.loss import LossConfig
 from eagle3fn.parallel.mesh import ParallelConfig
 
 PresetName = Literal["demo", "smoke", "long-context"]
+
+
+def _ttt_default(name: str):
+    """``TTTConfig``'s default of a field (one source of truth for the values)."""
+    from eagle3fn.unrolled.config import TTTConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TTTConfig)}[name]
+
+
+@dataclass(kw_only=True)
+class TTTOptions:
+    """How the unrolled TTT step computes (``--ttt.*``): every ``TTTConfig`` field that
+    the draft shape, ``--ttt-length``, ``--trim`` and ``--loss.*`` do not already set.
+    All choices are exact; they trade speed and memory. Defaults are TTTConfig's."""
+
+    attention: Literal["auto", "eager", "flex"] = _ttt_default("attention")
+    """``eager`` (explicit scores, any device), ``flex`` (compiled FlexAttention, the GPU
+    path), ``auto`` (flex on CUDA, else eager)."""
+    loss_impl: Literal["auto", "torch", "triton"] = _ttt_default("loss_impl")
+    """Soft cross-entropy and metrics: ``torch``, ``triton`` (indexed kernels), ``auto``
+    (triton on CUDA)."""
+    fused_head: bool = _ttt_default("fused_head")
+    """Trimmed paths: norm + lm_head + loss in row chunks, logits recomputed in backward."""
+    head_chunk_rows: int = _ttt_default("head_chunk_rows")
+    """Most rows per chunk of the fused head."""
+    teacher_chunk_size: int = _ttt_default("teacher_chunk_size")
+    """Vocab entries per block of the teacher streamed from the final hidden."""
+    auto_backbone_fraction: float = _ttt_default("auto_backbone_fraction")
+    """``--trim auto``: the largest cost score at which the trimmed backbone is taken."""
+    auto_loss_share: float = _ttt_default("auto_loss_share")
+    """``--trim auto``: the share of the trimmed path's cost that goes with supervised rows."""
+    auto_min_rows: int = _ttt_default("auto_min_rows")
+    """``--trim auto``: batches with fewer own rows take the full path."""
+    compile_elementwise: bool = _ttt_default("compile_elementwise")
+    """On CUDA: fuse the draft's elementwise chains with torch.compile (off: eager)."""
+    query_buckets: int = _ttt_default("query_buckets")
+    """Flex path: at most this many compiled kernels per key length (packed query rows
+    rounded up to ``Lp / query_buckets``)."""
+    flex_kernel_options: str | None = None
+    """FlexAttention ``kernel_options`` on CUDA as a JSON object, e.g.
+    ``'{"BLOCK_M": 64, "num_warps": 4}'``; unset: inductor's defaults."""
+
+    def __post_init__(self) -> None:
+        if self.flex_kernel_options is not None:
+            try:
+                options = json.loads(self.flex_kernel_options)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--ttt.flex-kernel-options {self.flex_kernel_options!r} is not JSON ({e}); "
+                                 "pass an object such as '{\"BLOCK_M\": 64}'") from e
+            if not isinstance(options, dict):
+                raise ValueError(f"--ttt.flex-kernel-options {self.flex_kernel_options!r} must be a JSON object")
+        for flag in ("head_chunk_rows", "teacher_chunk_size", "auto_min_rows", "query_buckets"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--ttt.{flag.replace('_', '-')} {getattr(self, flag)}: must be >= 1")
+
+    def config_fields(self) -> dict:
+        """The ``TTTConfig`` keyword arguments these options set."""
+        out = dataclasses.asdict(self)
+        options = out.pop("flex_kernel_options")
+        out["flex_kernel_options"] = None if options is None else tuple(sorted(json.loads(options).items()))
+        return out
 
 
 def demo_preset() -> dict:
@@ -67,7 +130,17 @@ class TrainConfig:
     aux_layer_ids: tuple[int, int, int] | None = None
     """Target layers captured (default [1, N//2-1, N-4])."""
     max_length: int = 2048
-    """Tokens per conversation."""
+    """Tokens per conversation (longer ones are cut); with --pack also per packed row."""
+    pack: bool = False
+    """Pack several conversations per row of --max-length tokens (first-fit in data
+    order, never splitting one; offline, a cache shard's conversations are packed as
+    it is read): batches of one shape and little padding, every conversation trained
+    exactly as if alone (positions restart, attention and rows stay inside it; SPEC
+    section 9). --batch-size then counts packed rows. ``token_mean`` is unchanged by
+    packing; ``local_mean`` divides by the positions the batch holds, padding included
+    (rows x --max-length; unpacked: conversations x the longest), so the loss sums are
+    the same and the means differ by exactly the ratio of those counts. Not with
+    sequence parallelism (--parallel.ring/ulysses > 1)."""
     on_error: Literal["raise", "skip"] = "raise"
     """Bad data lines: stop, or skip and count."""
     ttt_length: int = 7
@@ -82,6 +155,9 @@ class TrainConfig:
     """Shorthand for ``--trim loss`` (SpecForge's flag name)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Step weights, normalisation, objective."""
+    ttt: TTTOptions = field(default_factory=TTTOptions)
+    """How the TTT step computes (attention, loss kernels, head chunks, the auto rule,
+    compilation); exact whatever the choice."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     warmup_ratio: float = 0.015
@@ -92,7 +168,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (> 0); ``None`` turns clipping off
     explicitly (the norm is still measured, logged and checked)."""
     batch_size: int = 4
-    """Conversations per micro-batch (online); cache shards are used as they are."""
+    """Conversations per micro-batch (online; packed rows with --pack); cache shards are
+    used as they are."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     epochs: int = 1
@@ -158,6 +235,11 @@ class TrainConfig:
             raise ValueError(f"--loss.objective lambda with --grad-accum {self.grad_accum}: its weight depends "
                              "on the whole step's acceptance, which one micro-batch cannot see; use "
                              "--grad-accum 1 (a larger --batch-size, or data parallelism) with lambda")
+        if self.pack and self.parallel.sp > 1:
+            raise UsageError(f"--pack with --parallel.ring {self.parallel.ring} --parallel.ulysses "
+                             f"{self.parallel.ulysses}: sequence parallelism does not keep packed "
+                             "conversations apart; drop --pack, or use --parallel.ring 1 "
+                             "--parallel.ulysses 1 (data parallelism packs fine)")
         if self.eval_holdout < 0 or self.eval_every < 0:
             raise ValueError(f"--eval-holdout {self.eval_holdout} and --eval-every {self.eval_every} "
                              "must be >= 0")

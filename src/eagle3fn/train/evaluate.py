@@ -7,7 +7,7 @@ import torch
 from eagle3fn.align import supervised_mask
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.train.sources import Source
-from eagle3fn.ttt import TTTConfig, ttt
+from eagle3fn.unrolled import TTTConfig, ttt
 
 
 @torch.no_grad()
@@ -24,7 +24,8 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
     kl, acc, accept, rows = (torch.zeros(k, dtype=torch.float64) for _ in range(4))
     for item in source.items:
         features, loss_mask = source.load(item)
-        rowmap = build_rowmap(supervised_mask(loss_mask, features.attention_mask), k)
+        supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
+        rowmap = build_rowmap(supervised, k, positions=features.positions)
         obj = ttt(params, features, rowmap, config, d2t=d2t, t2d=t2d)
         n = torch.tensor([r.numel() for r in rowmap.rows], dtype=torch.float64)
         loss += float(obj.objective) * rowmap.denominator

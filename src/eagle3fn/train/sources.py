@@ -2,6 +2,13 @@
 or the offline feature cache. Each gives the conversations (for the vocab map and the
 held-out prompts) and a ``Source`` of batches, for training and for the held-out tail.
 
+With ``--pack`` (SPEC 9) a batch is ``batch_size`` rows of ``max_length`` positions, each
+holding several conversations (``io.packing``): online, conversations are packed
+first-fit in file order once, and the target runs on the packed rows; offline, each
+cache shard's conversations are packed when it is read (their cached features move
+along: a packed target forward gives the same ones). Either way ``Features.positions``
+restart in every conversation.
+
 Legend: B batch, S padded length.
 """
 
@@ -57,6 +64,7 @@ def online_source(cfg: TrainConfig, device: torch.device):
     from transformers import AutoTokenizer
 
     from eagle3fn.io.data import collate, tokenize_file
+    from eagle3fn.io.packing import collate_packed, pack_examples
     from eagle3fn.io.target import target_features
 
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
@@ -69,13 +77,22 @@ def online_source(cfg: TrainConfig, device: torch.device):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def load(group):
-        b = collate(group, pad)
-        f = target_features(target, b["input_ids"].to(device), b["attention_mask"].to(device))
+        if cfg.pack:  # rows of conversations, one shape [batch_size, max_length]
+            b = collate_packed(group, pad, cfg.max_length)
+            packed = {"position_ids": b["position_ids"].to(device)}
+        else:
+            b, packed = collate(group, pad), {}
+        f = target_features(target, b["input_ids"].to(device), b["attention_mask"].to(device), **packed)
         return f, b["loss_mask"].to(device)
 
+    def describe(group):
+        return "conversations at " + ", ".join(e.source for item in group
+                                                for e in (item if cfg.pack else [item]))
+
     def source(part):
+        part = pack_examples(part, cfg.max_length) if cfg.pack else part  # rows of conversations
         return Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load,
-                      describe=lambda group: "conversations at " + ", ".join(e.source for e in group))
+                      describe=describe)
     cut = len(examples) - cfg.eval_holdout
     return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
 
@@ -84,14 +101,18 @@ def offline_source(cfg: TrainConfig, device: torch.device):
     """``(examples, Source)`` for training and for the held-out trailing shards of the
     cache (shards are never split: ``eval_holdout`` must match a number of trailing
     shards' conversations). Features come in the compute dtype (a bf16 cache trains on
-    the CPU in fp32)."""
+    the CPU in fp32); with ``pack``, each shard's conversations packed into rows of
+    ``max_length`` (``io.packing.pack_features``)."""
     from eagle3fn.io.cache import FeatureCache
     from eagle3fn.io.data import Example
+    from eagle3fn.io.packing import pack_features
 
     cache = FeatureCache(cfg.cache, device=device, dtype=compute_dtype(cfg, device))
 
     def load(i, window=None):
         item = cache.read(i, window)
+        if cfg.pack:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
+            return pack_features(item.features, item.loss_mask, cfg.max_length)
         return item.features, item.loss_mask
     shards = []  # ids and masks only (no features read), for the vocab map and held-out prompts
     for i in range(len(cache)):

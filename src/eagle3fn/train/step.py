@@ -25,7 +25,7 @@ from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
 from eagle3fn.train.build import Run
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.ttt import Collectives, gated_counts, ttt
+from eagle3fn.unrolled import Collectives, gated_counts, ttt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +104,16 @@ def micro_batch(run: Run, order: list[int], index: int):
         features, loss_mask = run.source.load(item)
     if index >= len(order):  # a data-parallel rank past the end: zero weight, no rows
         loss_mask = torch.zeros_like(loss_mask)
-    supervised = supervised_mask(loss_mask, features.attention_mask)
+    supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
     if layout is None:
-        return item, features, build_rowmap(supervised, cfg.ttt_length), None
+        return item, features, build_rowmap(supervised, cfg.ttt_length, positions=features.positions), None
     features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
                                              cfg.ttt_length, windowed=windowed)
-    rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C)
+    rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C, positions=features.positions)
     denominator = 0 if index >= len(order) else rowmap.denominator
-    return item, features, rowmap, collectives(layout, denominator, run.device, run.ttt_cfg.attention)
+    return item, features, rowmap, collectives(layout, denominator, run.device, run.ttt_cfg.attention,
+                                               kernel_options=run.ttt_cfg.flex_kernel_options,
+                                               compile_elementwise=run.ttt_cfg.compile_elementwise)
 
 
 def _backward(run: Run, order: list[int], starts: list[int]):

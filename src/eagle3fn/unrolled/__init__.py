@@ -1,0 +1,61 @@
+"""The unrolled TTT objective (SPEC section 3), one module per stage::
+
+    config.py    TTTConfig (and Collectives): what the objective is configured by
+    policy.py    which rows trim="backbone" computes; which path trim="auto" takes
+    layout.py    the steps' index maths, planned on the host and uploaded once per batch
+    attention.py one step's attention: eager, packed FlexAttention, log-sum-exp merges
+    unroll.py    the k steps of the draft layer, the head and loss per step -> ``ttt``
+    runtime.py   the process-wide settings touched on the way (dynamo's recompile
+                 budget, the intra-op thread count around the host index maths)
+
+``ttt(params, features, rowmap, config, d2t=, t2d=)`` is the function; everything
+else here is what other packages (``eagle3fn.parallel``, ``eagle3fn.plan``) and
+tests build on.
+"""
+
+from eagle3fn.unrolled.attention import (FLEX_BLOCK, PackedLayout, block_tables, eager_attention,
+                                         flex_kernel_options, merge_blocks, merge_diagonal,
+                                         merge_diagonal_as, pack_queries, packed_block_mask,
+                                         packed_flex_attention, packed_keys, packed_layout,
+                                         packed_query_len, use_merge_kernel)
+from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
+                                      AttentionImpl, Collectives, LossImpl, Trim, TTTConfig)
+from eagle3fn.unrolled.policy import auto_score, auto_trim, choose_trim, computed_rows
+from eagle3fn.unrolled.unroll import (HEAD_CHUNK_LOGITS, backbone, fused_head_chunk, gated_counts,
+                                      skeleton, trimmed_backbone, ttt)
+
+__all__ = [
+    "AttentionImpl",
+    "COMPILE_ELEMENTWISE_DEFAULT",
+    "Collectives",
+    "DEFAULT_QUERY_BUCKETS",
+    "FLEX_BLOCK",
+    "HEAD_CHUNK_LOGITS",
+    "LossImpl",
+    "PackedLayout",
+    "TTTConfig",
+    "Trim",
+    "auto_score",
+    "auto_trim",
+    "backbone",
+    "block_tables",
+    "choose_trim",
+    "computed_rows",
+    "eager_attention",
+    "flex_kernel_options",
+    "fused_head_chunk",
+    "gated_counts",
+    "merge_blocks",
+    "merge_diagonal",
+    "merge_diagonal_as",
+    "pack_queries",
+    "packed_block_mask",
+    "packed_flex_attention",
+    "packed_keys",
+    "packed_layout",
+    "packed_query_len",
+    "skeleton",
+    "trimmed_backbone",
+    "ttt",
+    "use_merge_kernel",
+]

@@ -1,0 +1,427 @@
+"""The EAGLE-3 TTT attention of one step (SPEC section 3): eager, and FlexAttention
+over packed query rows with block-sparse masks, partial results merged by
+log-sum-exp.
+
+Legend: B batch, C own rows per sample, N query rows of a step (sorted flat rows
+``b*C + p``), h heads, g kv heads, d head dim, j the step, Lp = ``B*C`` flat keys
+rounded up to FLEX_BLOCK, Qp packed query rows (``packed_query_len``), R rows of a
+block table, W its width.
+
+Step j's queries see the causal step-0 keys of their sample (``[B*C]`` flat, built
+once per batch) plus each row's own keys of steps ``1..j`` (the diagonal). The flex
+path runs FlexAttention over the step-0 keys only and merges the diagonal keys
+afterwards (``merge_diagonal``), so no key is ever copied per step.
+
+Packed sequences (SPEC 9): a query sees the step-0 keys of its own document only,
+from the document's start (``starts_BC``, ``align.document_starts``) up to itself. A
+document is a contiguous range, so "same document id and causal" is the key window
+``[start, p]``: the eager path masks keys below the start, the flex path starts each
+query's window there (its ``mask_mod`` and block tables are those windows). The
+diagonal keys are the row's own, never another document's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import repeat
+
+from eagle3fn.align import document_starts
+from eagle3fn.kernels import merge as merge_kernel
+from eagle3fn.shapes import Features
+from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
+                                      AttentionImpl, TTTConfig)
+from eagle3fn.unrolled.runtime import compiled_flex
+
+FLEX_BLOCK = 128
+"""FlexAttention's block size, in rows, for queries and keys alike."""
+
+
+def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
+                    valid_BC: torch.Tensor, starts_BC: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE-3 TTT attention at step ``j = len(keys) - 1``, exact.
+
+    Args:
+        q: ``[B, h, C, d]`` queries of step j (RoPE applied).
+        keys: j + 1 pairs ``(k, v)`` of ``[B, g, C, d]``; pair 0 is step 0 (causal
+            context), pair ``i >= 1`` the row's own keys of step i (diagonal).
+        valid_BC: bool ``[B, C]``, real (non-padded) key positions.
+        starts_BC: int64 ``[B, C]`` or None: a packed batch's document start of each
+            query row (``align.document_starts``); its step-0 keys begin there.
+
+    Returns:
+        ``[B, h, C, d]``. Scores in the input dtype, softmax in fp32 (fp64 for fp64).
+    """
+    B, h, C, d = q.shape
+    rep = h // keys[0][0].shape[1]
+    expand = lambda x: repeat(x, "b g s d -> b (g r) s d", r=rep)  # noqa: E731 - GQA
+    scale = 1.0 / math.sqrt(d)
+    k0, v0 = expand(keys[0][0]), expand(keys[0][1])
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & valid_BC[:, None, None, :]
+    if starts_BC is not None:
+        key = torch.arange(C, device=q.device)
+        allowed = allowed & (key[None, None, None, :] >= starts_BC[:, None, :, None])
+    scores = (q @ k0.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    diag = [((q * expand(k)).sum(-1) * scale)[..., None] for k, _ in keys[1:]]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1),
+                          dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    out = probs[..., :C] @ v0
+    for i, (_, v) in enumerate(keys[1:]):
+        out = out + probs[..., C + i, None] * expand(v)
+    return out
+
+
+def flex_kernel_options(device: torch.device,
+                        kernel_options: tuple[tuple[str, object], ...] | None) -> dict | None:
+    """``kernel_options`` (``TTTConfig.flex_kernel_options``) as the dict a FlexAttention
+    call on ``device`` takes (a new one per call): CUDA only; ``None`` elsewhere or
+    when unset (inductor's defaults)."""
+    return dict(kernel_options) if device.type == "cuda" and kernel_options else None
+
+
+def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-0 keys/values ``[B*C, g, d]`` (flat rows) as FlexAttention inputs
+    ``[1, g, Lp, d]``, ``Lp`` = ``B*C`` rounded up to FLEX_BLOCK (zeros past it, never
+    read). Built once per batch and shared by every step."""
+    BC = k_Ngd.shape[0]
+    Lp = _key_len(BC)
+    prep = lambda x: F.pad(x, (0, 0, 0, 0, 0, Lp - BC)).transpose(0, 1)[None].contiguous()  # noqa: E731
+    return prep(k_Ngd), prep(v_Ngd)
+
+
+def packed_query_len(num_queries: int, key_len: int,
+                     query_buckets: int = DEFAULT_QUERY_BUCKETS) -> int:
+    """The packed query length for ``num_queries`` rows over ``key_len`` keys: rounded
+    up to a multiple of ``key_len / query_buckets`` in FLEX_BLOCK units, so at most
+    ``query_buckets`` lengths (compiled kernels) per key length (a multiple of
+    FLEX_BLOCK, at least one block, at most ``key_len``; ``TTTConfig.query_buckets``)."""
+    unit = -(-key_len // (query_buckets * FLEX_BLOCK)) * FLEX_BLOCK
+    return min(key_len, max(-(-num_queries // unit), 1) * unit)
+
+
+def _range_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
+                  active: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """BlockMask tables of rows listing ranges of columns: row ``r`` lists the full
+    columns ``full_lo[r]..full_hi[r]`` (when not empty) and, as partial, the rest of
+    ``lo[r]..hi[r]`` (which contains them), in increasing order; rows with ``active``
+    0 list nothing. Returns int32 ``(num_partial [1, 1, R], partial [1, 1, R, width],
+    num_full, full)`` (entries past a row's count are clamped columns, never read)."""
+    num_full = (full_hi - full_lo + 1).clamp(min=0) * active
+    has_full = num_full > 0
+    below = torch.where(has_full, full_lo - lo, 0)  # partial columns before the full run
+    above_start = torch.where(has_full, full_hi + 1, lo)
+    num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1).clamp(min=0) * active
+    i = torch.arange(width, device=lo.device)[None]
+    partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
+    as_i32 = lambda x: x.clamp(0, width - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
+    return (num_partial.to(torch.int32)[None, None], as_i32(partial),
+            num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i))
+
+
+def _transposed_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
+                       num_active: int, num_columns: int) -> tuple[torch.Tensor, ...]:
+    """The column-major tables of ``_range_tables``' lists, for the backward pass: for
+    each column ``c < num_columns``, the rows ``r < num_active`` listing it (full and
+    partial). ``lo, hi, full_lo, full_hi`` must be non-decreasing in ``r`` (windows of
+    packed queries are), so each such row set is a range found by binary search:
+    ``lo[r] <= c <= hi[r]`` for ``r`` in ``[b, a)``, full for ``r`` in ``[bf, af)``,
+    inside it. No dense mask, no sort."""
+    c = torch.arange(num_columns, device=lo.device)
+    a = torch.searchsorted(lo, c, right=True).clamp(max=num_active)
+    b = torch.searchsorted(hi, c)
+    af = torch.searchsorted(full_lo, c, right=True).clamp(max=num_active)
+    bf = torch.searchsorted(full_hi, c)
+    return _range_tables(b, a - 1, bf, af - 1, (a > b).long(), lo.shape[0])
+
+
+def block_tables(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int,
+                 key_len: int) -> tuple[torch.Tensor, ...]:
+    """The int32 tables of ``packed_block_mask`` (any device, no host sync): query-major
+    ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` and, where this
+    torch's ``BlockMask`` takes them, the key-major ``(q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices)`` of the backward. Shapes ``[1, 1, R]`` and
+    ``[1, 1, R, W]``."""
+    M, NB = start_Q.shape[0] // FLEX_BLOCK, key_len // FLEX_BLOCK
+    m = torch.arange(M, device=start_Q.device)
+    first = (m * FLEX_BLOCK).clamp(max=max(num_queries - 1, 0))
+    final = (m * FLEX_BLOCK + FLEX_BLOCK - 1).clamp(max=max(num_queries - 1, 0))
+    lo = start_Q[first] // FLEX_BLOCK
+    hi = torch.maximum(last_Q[final] // FLEX_BLOCK, lo)
+    full_lo = (start_Q[final] + FLEX_BLOCK - 1) // FLEX_BLOCK
+    full_hi = (last_Q[first] + 1) // FLEX_BLOCK - 1
+    num_active = -(-num_queries // FLEX_BLOCK)
+    kv = _range_tables(lo, hi, full_lo, full_hi, (m < num_active).long(), NB)
+    if not _block_mask_takes_q_tables():  # a torch without that constructor: it transposes
+        return kv
+    return kv + _transposed_tables(lo, hi, full_lo, full_hi, num_active, NB)
+
+
+def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: int, key_len: int,
+                      mask_mod, tables: tuple[torch.Tensor, ...] | None = None):
+    """FlexAttention BlockMask for ``Qp = len(start_Q)`` packed queries over ``key_len``
+    flat keys (both multiples of FLEX_BLOCK): query ``i`` may see keys
+    ``start[i]..last[i]`` (both non-decreasing in ``i``). Per query block: full blocks
+    = key blocks inside every query's window, partial blocks (the ``mask_mod``
+    applies) = the rest of the union of the windows; blocks holding only padding
+    queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
+    of the backward come from the same ranges (``_transposed_tables``), not from a
+    dense mask and a sort. ``tables``: ``block_tables`` of these windows, already
+    computed (``_plan_steps`` builds them on the host)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if tables is None:
+        tables = block_tables(start_Q, last_Q, num_queries, key_len)
+    lengths = (start_Q.shape[0], key_len)
+    if len(tables) == 4:
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                        seq_lengths=lengths)
+    kv, q = tables[:4], tables[4:]
+    return BlockMask(seq_lengths=lengths, kv_num_blocks=kv[0], kv_indices=kv[1],
+                     full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
+                     q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
+                     BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One step's packed FlexAttention queries (``packed_flex_attention``): query ``i``
+    (row ``qflat[i]``; padding queries repeat the last row) sees the flat step-0 keys
+    ``start[i]..last[i]``; ``tables`` are ``block_tables`` of those windows.
+
+    Fields:
+        num_queries: N, the step's real query rows.
+        start, last: int64 ``[Qp]`` (``Qp = packed_query_len(N, Lp)``).
+        tables: the int32 block tables (``block_tables``).
+    """
+
+    num_queries: int
+    start: torch.Tensor
+    last: torch.Tensor
+    tables: tuple[torch.Tensor, ...]
+
+
+def _key_len(num_flat_rows: int) -> int:
+    """Lp: ``B*C`` flat keys rounded up to FLEX_BLOCK (at least one block)."""
+    return max(-(-num_flat_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
+
+
+def packed_layout(rows_N: torch.Tensor, lengths_B: torch.Tensor, num_rows: int,
+                  key_len: int, query_buckets: int = DEFAULT_QUERY_BUCKETS,
+                  starts_BC: torch.Tensor | None = None) -> PackedLayout:
+    """``PackedLayout`` of the sorted flat query rows ``rows_N`` (N >= 1) on their
+    device: each query sees its sample's keys up to itself, capped at the sample's
+    last real row (``lengths_B``, right padding). ``starts_BC`` (int64 ``[B, C]``, a
+    packed batch's ``align.document_starts``): the window starts at the query's
+    document start instead of the sample's (never past the window's end, so a
+    padding row keeps one key; starts and ends stay non-decreasing in ``i``)."""
+    N = rows_N.numel()
+    Qp = packed_query_len(N, key_len, query_buckets)
+    qflat = torch.cat([rows_N, rows_N[-1:].expand(Qp - N)])  # padding queries copy the last
+    sample = qflat // num_rows
+    start = sample * num_rows
+    last = torch.minimum(qflat, start + lengths_B.to(qflat.device)[sample] - 1)
+    if starts_BC is not None:
+        start = torch.minimum(start + starts_BC.to(qflat.device).flatten()[qflat], last)
+    return PackedLayout(N, start, last, block_tables(start, last, N, key_len))
+
+
+@functools.lru_cache(maxsize=1)
+def _block_mask_takes_q_tables() -> bool:
+    """Whether this torch's ``BlockMask`` constructor takes the key-major tables by name
+    (2.5 and later do)."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    names = inspect.signature(BlockMask.__init__).parameters
+    return all(n in names for n in ("seq_lengths", "q_num_blocks", "q_indices", "full_q_num_blocks",
+                                    "full_q_indices", "BLOCK_SIZE", "mask_mod"))
+
+
+def use_merge_kernel(q_NhD: torch.Tensor) -> bool:
+    """Whether ``merge_diagonal`` runs the Triton kernel for these queries."""
+    return (q_NhD.is_cuda
+            and q_NhD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(q_NhD))
+
+
+def merge_diagonal(o_NhD: torch.Tensor, lse_Nh: torch.Tensor, q_NhD: torch.Tensor,
+                   k_jNgd: torch.Tensor, v_jNgd: torch.Tensor, scale: float) -> torch.Tensor:
+    """Add the diagonal keys of steps ``1..j`` to causal attention outputs: ``o`` and
+    ``lse`` (natural log-sum-exp of the scaled scores) over the step-0 keys, merged
+    with each row's own keys ``k_jNgd, v_jNgd`` by log-sum-exp (fp32 math, output in
+    ``q``'s dtype; GQA by broadcasting, nothing is repeated). ``[N, h, d]``.
+
+    On CUDA (bf16/fp16/fp32) one Triton kernel each way (``kernels.merge``: nothing
+    ``[N, h, j]``-sized is stored); elsewhere its PyTorch twin
+    ``kernels.merge.merge_diagonal_naive``, which callers with
+    ``compile_elementwise`` off call directly (``merge_diagonal_as``)."""
+    if use_merge_kernel(q_NhD):
+        return merge_kernel.merge_diagonal(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale)
+    return merge_kernel.merge_diagonal_naive(o_NhD, lse_Nh, q_NhD, k_jNgd, v_jNgd, scale)
+
+
+def merge_diagonal_as(fused: bool):
+    """The diagonal merge a caller's ``compile_elementwise`` asks for: ``merge_diagonal``
+    (the Triton kernel on CUDA) when ``fused``, else always the PyTorch twin. Both take
+    ``(o, lse, q, k, v, scale)``."""
+    return merge_diagonal if fused else merge_kernel.merge_diagonal_naive
+
+
+def merge_blocks(o: torch.Tensor, lse: torch.Tensor, o_t: torch.Tensor,
+                 lse_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions by log-sum-exp (the flex path's): ``o [N, h, d]``
+    (any dtype) with natural log-sum-exp ``lse [N, h]`` (fp32; ``-inf``: the row saw no
+    key there). The weights are fp32 ``[N, h]``, the weighted sum is in ``o``'s dtype
+    (as the eager merge), so nothing ``[N, h, d]``-sized is kept in fp32. NaN-free when both are
+    ``-inf`` (the result is 0 with ``-inf``); the shift by the larger ``lse`` is a
+    constant of the maths, so it carries no gradient. Returns the merged ``(o, lse)``."""
+    top = torch.maximum(lse, lse_t).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w, w_t = torch.exp(lse - top), torch.exp(lse_t - top)
+    denom = w + w_t
+    seen = denom > 0
+    safe = torch.where(seen, denom, torch.ones_like(denom))
+    out = (w / safe).to(o.dtype)[..., None] * o + (w_t / safe).to(o.dtype)[..., None] * o_t
+    return out, torch.where(seen, top + torch.log(safe), torch.full_like(top, -math.inf))
+
+
+def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
+                          diagonal: tuple[torch.Tensor, torch.Tensor] | None, lengths_B: torch.Tensor,
+                          num_rows: int, layout: PackedLayout | None = None, return_lse: bool = False,
+                          q_packed: torch.Tensor | None = None, *,
+                          kernel_options: tuple[tuple[str, object], ...] | None = None,
+                          query_buckets: int = DEFAULT_QUERY_BUCKETS,
+                          fused: bool = COMPILE_ELEMENTWISE_DEFAULT,
+                          starts_BC: torch.Tensor | None = None):
+    """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
+    (the one-rank GPU path of every trim mode).
+
+    The N queries are packed at the front of one query sequence of
+    ``packed_query_len(N, Lp)`` rows, so FlexAttention visits only
+    ``ceil(N / FLEX_BLOCK)`` query blocks whether the rows are contiguous or scattered,
+    keeps query/output tensors of about N rows, and the shapes (hence the compiled
+    kernels) take at most ``query_buckets`` values per ``B*C``. Query ``i`` (row
+    ``b*C + p``) sees the flat step-0 keys ``b*C .. b*C + p`` (capped at the sample's
+    last real row; from its document's start in a packed batch); the diagonal keys
+    are merged afterwards by log-sum-exp (``merge_diagonal``), so no key is ever copied
+    per step.
+
+    Args:
+        q_NhD: ``[N, h, d]`` queries (RoPE applied) of ``rows_N`` (sorted flat rows).
+        keys: ``packed_keys`` of the step-0 keys/values.
+        diagonal: ``(k, v)``, each ``[j, N, g, d]``: every row's own keys of steps
+            ``1..j``, aligned with ``rows_N`` (None at step 0).
+        lengths_B: int ``[B]`` real rows per sample (right padding).
+        num_rows: C.
+        layout: ``packed_layout(rows_N, lengths_B, num_rows, Lp, query_buckets)``,
+            when already built (``layout._plan_steps`` plans every step on the host);
+            else built here.
+        return_lse: also return the natural log-sum-exp ``[N, h]`` (fp32) of each
+            row's scaled scores over its keys (``-inf`` where it sees none); only with
+            ``diagonal=None`` (the sequence-parallel ring merges blocks by it).
+        q_packed: ``q_NhD`` already laid out as FlexAttention's query ``[1, h, Qp, d]``
+            (``pack_queries``): a caller attending the same queries to several key
+            blocks pads them once, and autograd keeps one copy.
+        kernel_options: ``TTTConfig.flex_kernel_options`` (CUDA calls only).
+        query_buckets: ``TTTConfig.query_buckets``, for a layout built here.
+        fused: ``TTTConfig.compile_elementwise``: the diagonal merge's Triton kernel on
+            CUDA (``merge_diagonal_as``).
+        starts_BC: a packed batch's document starts (``packed_layout``), for a layout
+            built here.
+
+    Returns:
+        ``[N, h, d]`` in ``q``'s dtype (and the log-sum-exp with ``return_lse``).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if return_lse and diagonal is not None:
+        raise ValueError("return_lse is for the step-0 keys alone: merge the diagonal keys "
+                         "after the blocks (merge_diagonal)")
+
+    N, h, d = q_NhD.shape
+    K, V = keys
+    Lp = K.shape[2]
+    if N == 0:
+        empty = q_NhD.new_zeros(N, h, d)
+        return (empty, q_NhD.new_zeros(N, h, dtype=torch.float32)) if return_lse else empty
+    if layout is None:
+        layout = packed_layout(rows_N, lengths_B, num_rows, Lp, query_buckets, starts_BC)
+    elif layout.num_queries != N:
+        raise ValueError(f"the layout is for {layout.num_queries} query rows but q has {N}: "
+                         "pass the layout of this step's rows (_plan_steps)")
+    start, last = layout.start, layout.last
+    Qp = start.shape[0]
+
+    def mask_mod(b, head, q_idx, kv_idx):
+        return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
+
+    block_mask = packed_block_mask(start, last, N, Lp, mask_mod, tables=layout.tables)
+    Q = pack_queries(q_NhD, Qp) if q_packed is None else q_packed
+    attend = compiled_flex() if q_NhD.is_cuda else flex_attention
+    scale = 1.0 / math.sqrt(d)
+    out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
+                      return_lse=True, kernel_options=flex_kernel_options(q_NhD.device, kernel_options))
+    o = out[0, :, :N].transpose(0, 1)
+    if return_lse:
+        return o, lse[0, :, :N].transpose(0, 1)
+    if diagonal is None:
+        return o
+    return merge_diagonal_as(fused)(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)
+
+
+def pack_queries(q_NhD: torch.Tensor, num_packed: int) -> torch.Tensor:
+    """``[N, h, d]`` queries as FlexAttention's ``[1, h, Qp, d]`` (zeros past N)."""
+    return F.pad(q_NhD, (0, 0, 0, 0, 0, num_packed - q_NhD.shape[0])).transpose(0, 1)[None].contiguous()
+
+
+def _flex_path(attention: AttentionImpl, attend, features: Features) -> bool:
+    """Whether the steps' attention is the one-rank packed FlexAttention."""
+    return attend is None and (attention == "flex" or (attention == "auto" and features.aux.is_cuda))
+
+
+def _row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch.Tensor,
+                   k0: torch.Tensor, v0: torch.Tensor, layouts=None):
+    """``run(q [N, h, d], rows_N | None, diagonal, j) -> [N, h, d]``: step j's attention
+    for the queries of some flat rows (``None``: every row, in order) over the step-0
+    keys ``k0, v0`` ``[B*C, g, d]`` and each row's own keys of steps ``1..j``
+    (``diagonal = (k, v)``, each ``[j, N, g, d]`` aligned with the rows; None at j = 0).
+
+    The one-rank FlexAttention path (``config.attention="flex"``, or ``auto`` on CUDA)
+    packs the queries (``packed_flex_attention`` with the config's kernel options,
+    query buckets and merge; ``layouts[j]`` from ``layout._plan_steps`` when given,
+    else built per step). Otherwise the queries are placed in zero
+    ``[B, h, C, d]`` tensors for ``attend`` (``Collectives.attend`` under sequence
+    parallelism, else ``eager_attention``), whose other rows' outputs are dropped.
+    A packed batch (``features.positions``) keeps each query in its document on the
+    one-rank paths (``align.document_starts``)."""
+    B, C = valid_BC.shape
+    packed = attend is None and features.positions is not None  # one rank: documents bound the keys
+    starts = document_starts(features.positions[:, :C]) if packed else None
+    if _flex_path(config.attention, attend, features):
+        keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
+        every = torch.arange(B * C, device=k0.device)
+        options = dict(kernel_options=config.flex_kernel_options, query_buckets=config.query_buckets,
+                       fused=config.compile_elementwise, starts_BC=starts)
+        return lambda q, rows, diagonal, j: packed_flex_attention(  # noqa: E731
+            q, every if rows is None else rows, keys, diagonal, lengths, C,
+            None if layouts is None else layouts[j], **options)
+    if attend is None:
+        attend = eager_attention if starts is None else functools.partial(eager_attention, starts_BC=starts)
+    as_B = lambda x: x.view(B, C, *x.shape[1:]).transpose(1, 2)  # noqa: E731 - [B, n, C, d]
+
+    def dense(x, rows):
+        return as_B(x if rows is None else x.new_zeros(B * C, *x.shape[1:]).index_copy(0, rows, x))
+
+    def run(q, rows, diagonal, j):
+        own = [] if diagonal is None else zip(*diagonal)
+        keys = [(as_B(k0), as_B(v0))] + [(dense(k, rows), dense(v, rows)) for k, v in own]
+        out = attend(dense(q, rows), keys, valid_BC).transpose(1, 2).flatten(0, 1)
+        return out if rows is None else out[rows]
+    return run

@@ -1,0 +1,164 @@
+"""The host-side step layout: one batch's index maths for all k steps, planned on the
+host from the row map and uploaded in a few copies (``_plan_steps``), instead of a few
+dozen tiny kernels per step.
+
+Legend: B batch, C own rows per sample, k TTT length, n_j rows of step j, m_j the
+rows step j computes (``computed_rows``), Lp = ``B*C`` rounded up to the flex block.
+
+What is planned: per step, the flex path's ``PackedLayout`` (query windows, from each
+query's document start in a packed batch, and block tables); under ``trim="backbone"``
+the positions of step j's computed rows inside step j-1's (``within``) and of
+``rows_j`` inside step j's (``at``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from eagle3fn.align import document_starts
+from eagle3fn.shapes import Features, RowMap
+from eagle3fn.unrolled.attention import PackedLayout, _key_len, packed_layout
+from eagle3fn.unrolled.config import DEFAULT_QUERY_BUCKETS
+from eagle3fn.unrolled.policy import computed_rows
+from eagle3fn.unrolled.runtime import one_thread
+
+
+def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (host, int32/int64) on ``device`` in one copy per dtype: packed into
+    one pinned buffer, each segment starting at a 64-byte boundary (compiled kernels
+    take them as inputs), sent with ``non_blocking``."""
+    odd = {t.dtype for t in tensors} - {torch.int64, torch.int32}
+    if odd:
+        raise TypeError(f"_upload sends int32/int64 tensors only, got {sorted(map(str, odd))}")
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in (torch.int64, torch.int32):
+        mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        if not mine:
+            continue
+        align = 64 // torch.empty((), dtype=dtype).element_size()
+        sizes = [-(-tensors[i].numel() // align) * align for i in mine]
+        host = torch.zeros(sum(sizes), dtype=dtype, pin_memory=torch.cuda.is_available())
+        offsets = [sum(sizes[:n]) for n in range(len(mine))]
+        for i, o in zip(mine, offsets):
+            host[o:o + tensors[i].numel()] = tensors[i].flatten()
+        dev = host.to(device, non_blocking=True)
+        for i, o in zip(mine, offsets):
+            out[i] = dev[o:o + tensors[i].numel()].view(tensors[i].shape)
+    return out
+
+
+def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """int64 host copies of ``tensors`` in one download (one host sync when they live on
+    a GPU; none when they are already on the host)."""
+    sizes = [t.numel() for t in tensors]
+    if not tensors:
+        return []
+    flat = torch.cat([t.to(torch.int64).flatten() for t in tensors]).cpu()
+    return [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
+
+
+def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
+                  query_buckets: int, starts_BC: torch.Tensor | None = None) -> list[PackedLayout | None]:
+    """``packed_layout`` of each step's rows (host tensors; ``None``: every row), None
+    for a step without rows; ``starts_BC``: a packed batch's document starts. The
+    every-row layout is built once and shared by the steps that use it (``trim`` none
+    / loss: every step)."""
+    Lp = _key_len(lengths_B.numel() * num_rows)
+    every = None if all(r is not None for r in rows) else packed_layout(
+        torch.arange(lengths_B.numel() * num_rows), lengths_B, num_rows, Lp, query_buckets, starts_BC)
+    return [every if r is None else None if not r.numel()
+            else packed_layout(r, lengths_B, num_rows, Lp, query_buckets, starts_BC) for r in rows]
+
+
+def _distinct(layouts: Sequence[PackedLayout | None]) -> list[PackedLayout]:
+    """The layouts, each shared one once (by identity), in order of first use."""
+    return list({id(lay): lay for lay in layouts if lay is not None}.values())
+
+
+def _layout_tensors(layouts: Sequence[PackedLayout | None]) -> list[torch.Tensor]:
+    """The tensors of the distinct layouts, in the order ``_rebuild_layouts`` takes them."""
+    return [t for lay in _distinct(layouts) for t in (lay.start, lay.last, *lay.tables)]
+
+
+def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[PackedLayout | None]:
+    """The layouts with their tensors taken in order from the iterator ``sent``
+    (``_layout_tensors``' order); a layout shared by steps stays shared."""
+    rebuilt = {id(lay): PackedLayout(lay.num_queries, next(sent), next(sent),
+                                     tuple(next(sent) for _ in lay.tables))
+               for lay in _distinct(layouts)}
+    return [None if lay is None else rebuilt[id(lay)] for lay in layouts]
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """Index maths of one batch's unrolled steps, done on the host (``_plan_steps``).
+
+    Fields:
+        layouts: the flex path's ``PackedLayout`` per step (None: another attention).
+        computed: ``trim="backbone"``: the rows each step computes (``computed_rows``,
+            as the row map holds them); else None.
+        within: ``trim="backbone"``: per step ``j >= 1``, the positions of the computed
+            rows of step j inside those of step ``j - 1`` (entry 0 None); else None.
+        at: per step, the rows whose loss is taken, as positions in the step's output.
+    """
+
+    layouts: list | None
+    computed: tuple | None
+    within: list | None
+    at: list
+
+
+def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """Positions of the sorted rows ``inner`` inside the sorted ``outer``. Clamped so a
+    hand-made row map whose rows are not nested reads wrong rows (which the
+    negative-control tests catch) instead of out of range."""
+    return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
+
+
+def _sends_plan(device: torch.device) -> bool:
+    """Whether ``_plan_steps`` uploads its host tensors (every device but the CPU; tests
+    force it on the CPU to check the packing)."""
+    return device.type != "cpu"
+
+
+@one_thread
+def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
+                query_buckets: int = DEFAULT_QUERY_BUCKETS) -> _StepPlan:
+    """The ``_StepPlan`` of a batch (``flex``: with the packed layouts of
+    ``query_buckets``, ``TTTConfig.query_buckets``): on a GPU, the row lists it needs
+    come down in one copy, and the layouts and positions go up in two, instead of a
+    few dozen tiny kernels per step."""
+    C = rowmap.num_rows
+    device = features.aux.device
+    computed = computed_rows(rowmap) if trim == "backbone" else None
+    lengths = features.attention_mask[:, :C].sum(1)
+    packed = flex and features.positions is not None
+    starts = [document_starts(features.positions[:, :C])] if packed else []
+    wanted = ([lengths] if flex else []) + starts + (list(computed) + list(rowmap.rows) if computed else [])
+    host = iter(_to_host(wanted))
+    lengths_h = next(host) if flex else None
+    starts_h = next(host) if packed else None
+    layouts = within = None
+    at = list(rowmap.rows)
+    if computed is not None:
+        comp_h = [next(host) for _ in computed]
+        rows_h = [next(host) for _ in rowmap.rows]
+        within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
+        at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
+    if flex:
+        layouts = _host_layouts(comp_h if computed is not None else [None] * rowmap.ttt_length,
+                                lengths_h, C, query_buckets, starts_h)
+    if not _sends_plan(device):
+        return _StepPlan(layouts, computed, within, at)
+    moved = (_layout_tensors(layouts) if flex else []) + (
+        [w for w in within[1:]] + at if computed is not None else [])
+    sent = iter(_upload(moved, device))
+    if flex:
+        layouts = _rebuild_layouts(layouts, sent)
+    if computed is not None:
+        within = [None] + [next(sent) for _ in within[1:]]
+        at = [next(sent) for _ in at]
+    return _StepPlan(layouts, computed, within, at)

@@ -1,0 +1,48 @@
+"""The process-wide settings the unrolled objective touches, all of them here.
+
+- ``compiled_flex`` raises ``torch._dynamo.config.cache_size_limit`` (dynamo's
+  recompile budget, shared by every ``torch.compile`` of the process, other
+  libraries' too) to at least 64, once, the first time the compiled FlexAttention is
+  needed. It is never lowered.
+- ``one_thread`` sets PyTorch's intra-op thread count (``torch.set_num_threads``,
+  process-wide) to 1 for the duration of one call and restores it after, also when
+  the call raises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_flex():
+    """``torch.compile(flex_attention, dynamic=False)``, built once per process."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every torch.compile(flex_attention) in the process (other libraries' too) shares
+    # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
+    # path. Each (length, dtype) needs its own kernel, so allow more than the default.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def one_thread(fn):
+    """Run ``fn`` with one intra-op CPU thread (``torch.set_num_threads``, the count
+    restored after). The host index maths works on tensors of a few thousand
+    rows, where an op that wakes a pool of OpenMP threads costs more than its work:
+    on the H200 machine's host (16 threads, a VM) one ``searchsorted`` of 8192 rows took
+    1.3 ms, and those of one 8192 / 30% step 55 ms of its ~170 ms host time."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        if before == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper

@@ -1,0 +1,362 @@
+"""Training-time test (SPEC section 3): the draft unrolled k steps, as a function of
+stateless parameters, and the objective ``ttt`` built on it.
+
+Legend: B batch, T local buffer length, C own rows per sample, k TTT length, H draft
+hidden, h heads, g kv heads, d head dim, V target vocab, Vd draft vocab, U teacher
+positions, n_j rows of step j.
+
+Step j, row p: input token ``ids'[p + j]``, input feature ``fc(a_p)`` at j = 0 and the
+previous step's pre-norm output after; queries and keys at RoPE position
+``pos[p] + j``; keys are the causal step-0 keys plus the row's own keys of steps
+``1..j``; the teacher sits at ``s = p + j``.
+
+``trim="none"`` is the full-length path (SpecForge/EAGLE semantics): a teacher at
+every position, logits for every row, every row's loss masked. ``trim="loss"``
+builds the teacher only at the U supervised positions and computes the draft norm,
+lm_head, loss and metrics only at ``rows_j``; the backbone still runs every row.
+``trim="backbone"`` also runs the layer only on the rows a later loss needs
+(``policy.computed_rows``).
+
+A packed batch (``Features.positions`` restarting at 0 in each document, SPEC 9)
+trains each document as a sample of its own: RoPE at the in-document positions,
+attention inside the document (``attention``), no row taught across a boundary
+(``rowmap.build_rowmap(..., positions=)``; the full path applies the same bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import torch
+
+from eagle3fn.align import shift_left
+from eagle3fn.draft import (DraftConfig, Eagle3Draft, apply_rope, apply_rope_pair, elementwise,
+                            head_logits, norm_pair, rope_cos_sin, swiglu)
+from eagle3fn.loss import head_step_terms, objective, step_terms
+from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
+from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
+from eagle3fn.unrolled.attention import _flex_path, _row_attention
+from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, AttentionImpl, Collectives,
+                                      TTTConfig)
+from eagle3fn.unrolled.layout import _inside, _plan_steps, _StepPlan
+from eagle3fn.unrolled.policy import choose_trim
+
+HEAD_CHUNK_LOGITS = 2**27
+"""Most logits one fused-head chunk holds (256 MiB in bf16; its gradient as much in
+backward)."""
+
+
+def fused_head_chunk(head_chunk_rows: int, draft_vocab: int) -> int:
+    """Rows per chunk of the fused head: ``head_chunk_rows``, fewer for large draft
+    vocabularies so that a chunk holds at most ``HEAD_CHUNK_LOGITS`` logits (at least
+    one row)."""
+    return max(1, min(head_chunk_rows, HEAD_CHUNK_LOGITS // draft_vocab))
+
+
+def skeleton(cfg: DraftConfig, compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> Eagle3Draft:
+    """A parameter-free ``Eagle3Draft`` (on ``meta``) for ``functional_call``, its norms
+    and SwiGLU compiled on CUDA or not (``TTTConfig.compile_elementwise``); one per
+    ``(cfg, compile_elementwise)``, however the flag is passed."""
+    return _skeleton(cfg, compile_elementwise)
+
+
+@functools.lru_cache(maxsize=8)
+def _skeleton(cfg: DraftConfig, compile_elementwise: bool) -> Eagle3Draft:
+    with torch.device("meta"):
+        return Eagle3Draft(cfg, compile_elementwise=compile_elementwise)
+
+
+def _layer_input(draft: Eagle3Draft, ids_N: torch.Tensor, g_NH: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The layer input ``[norm(embed(ids)) ; norm(g)]`` ``[N, 2H]``."""
+    layer = draft.midlayer
+    return elementwise(norm_pair, fused)(draft.embed_tokens(ids_N), g_NH, layer.input_layernorm.weight,
+                                         layer.hidden_norm.weight, draft.cfg.rms_norm_eps)
+
+
+def _layer_rest(draft: Eagle3Draft, a_NhD: torch.Tensor, g_NH: torch.Tensor, fused: bool) -> torch.Tensor:
+    """o_proj, residual and MLP of the rows' attention output ``a`` ``[N, h, d]`` with
+    the rows' input features ``g`` ``[N, H]``: the pre-norm output ``[N, H]``."""
+    layer, cfg = draft.midlayer, draft.cfg
+    # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T). o_proj
+    # and down_proj are read as weights, so forward hooks on those modules do not
+    # fire (neither has a bias).
+    r = torch.addmm(g_NH, a_NhD.reshape(a_NhD.shape[0], cfg.num_heads * cfg.d),
+                    layer.self_attn.o_proj.weight.t())
+    x = layer.post_attention_layernorm(r)
+    mlp = layer.mlp
+    return torch.addmm(r, elementwise(swiglu, fused)(mlp.gate_proj(x), mlp.up_proj(x)),
+                       mlp.down_proj.weight.t())
+
+
+def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
+            rows: Sequence[torch.Tensor] | None, config: TTTConfig, attend,
+            plan: _StepPlan | None = None) -> list[torch.Tensor]:
+    """The ``config.ttt_length`` unrolled steps on the rows ``rows[j]`` of each step
+    (``None``: every row).
+
+    Step 0 computes keys and values for every own row (everyone's context) and the
+    query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
+    layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
+    and to their own keys of steps ``1..j``. Each ``rows[j]`` must be inside
+    ``rows[j-1]`` (``computed_rows``). Returns k tensors ``[n_j, H]`` (``[B*C, H]``)."""
+    cfg, attn, fused = draft.cfg, draft.midlayer.self_attn, config.compile_elementwise
+    C = num_rows
+    B = features.input_ids.shape[0]
+    ids_next = shift_left(features.input_ids)  # ids'[t] = x_{t+1}
+    positions = features.positions
+    if positions is None:
+        positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
+    pos_flat = positions[:, :C].reshape(-1)
+    valid = features.attention_mask[:, :C].bool()
+    g_all = draft.project(features.aux[:, :C]).flatten(0, 1)  # [B*C, H]
+    heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
+
+    def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
+        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype, fused)
+        return cos[:, None], sin[:, None]
+
+    def take(x, idx):  # rows idx of x (None: all); index_select's backward is one
+        return x if idx is None else x.index_select(0, idx)  # index_add, not a sort
+
+    def within(j, outer, inner):  # positions of the sorted rows inner inside sorted outer
+        if inner is None:
+            return None
+        return plan.within[j] if plan is not None and plan.within else _inside(outer, inner)
+
+    u = _layer_input(draft, ids_next[:, :C].flatten(), g_all, fused)
+    cos, sin = rope_at(pos_flat)
+    rope = elementwise(apply_rope, fused)
+    k0 = rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
+    attend_rows = _row_attention(config, attend, features, valid, k0,
+                                 heads(attn.v_proj(u), cfg.num_kv_heads),
+                                 None if plan is None else plan.layouts)
+    prev = None if rows is None else rows[0]
+    q = rope(heads(attn.q_proj(take(u, prev)), cfg.num_heads), take(cos, prev), take(sin, prev))
+    g = take(g_all, prev)
+    out = _layer_rest(draft, attend_rows(q, prev, None, 0), g, fused)
+    outs, diagonal = [out], None  # the rows' own keys/values of steps 1..j, [j, N, g, d]
+    for j in range(1, config.ttt_length):
+        rj = None if rows is None else rows[j]
+        at = within(j, prev, rj)
+        g = take(out, at)
+        u = _layer_input(draft, take(shift_left(ids_next, j)[:, :C].reshape(-1), rj), g, fused)
+        cos, sin = rope_at(take(pos_flat, rj) + j)
+        q, k = elementwise(apply_rope_pair, fused)(heads(attn.q_proj(u), cfg.num_heads),
+                                                    heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
+        v = heads(attn.v_proj(u), cfg.num_kv_heads)
+        diagonal = (k[None], v[None]) if diagonal is None else tuple(
+            torch.cat((x if at is None else x.index_select(1, at), y[None]))
+            for x, y in zip(diagonal, (k, v)))
+        out = _layer_rest(draft, attend_rows(q, rj, diagonal, j), g, fused)
+        outs.append(out)
+        prev = rj
+    return outs
+
+
+def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
+             attention: AttentionImpl = "eager", attend=None,
+             plan: _StepPlan | None = None) -> list[torch.Tensor]:
+    """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
+
+    Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
+    (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
+    The other ``TTTConfig`` settings (kernels, query buckets) are their defaults.
+    """
+    B = features.input_ids.shape[0]
+    config = TTTConfig(draft=draft.cfg, ttt_length=ttt_length, attention=attention)
+    outs = _unroll(draft, features, num_rows, None, config, attend, plan)
+    return [out.view(B, num_rows, -1) for out in outs]
+
+
+def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
+                     rows: Sequence[torch.Tensor], attention: AttentionImpl = "eager",
+                     attend=None, plan: _StepPlan | None = None) -> list[torch.Tensor]:
+    """``backbone`` computing only the rows a later loss needs (``computed_rows``).
+
+    Step 0 computes keys and values for every own row (everyone's context) and the
+    query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
+    layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
+    and to their own diagonal keys of steps ``1..j``.
+
+    Returns:
+        k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
+    """
+    config = TTTConfig(draft=draft.cfg, ttt_length=ttt_length, attention=attention)
+    return _unroll(draft, features, num_rows, rows, config, attend, plan)
+
+
+class _Unrolled(torch.nn.Module):
+    """``forward`` = backbone + head + per-step terms, so one ``functional_call`` runs
+    the whole differentiable part."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
+                table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
+                collectives: Collectives | None = None, plan: _StepPlan | None = None):
+        attend = collectives.attend if collectives is not None else None
+        if plan is None:
+            plan = _plan_steps(rowmap, config.trim, features,
+                               _flex_path(config.attention, attend, features), config.query_buckets)
+        # trim="backbone": the rows computed_rows gives (the plan holds them), else all
+        outs = _unroll(self.draft, features, rowmap.num_rows, plan.computed, config, attend, plan)
+        at = plan.at  # rows_j as positions in step j's output
+        impl = config.loss_impl
+        if impl == "auto":
+            impl = "triton" if features.aux.is_cuda else "torch"
+        kwargs = dict(impl=impl, accept_grad=config.loss.objective != "kl")
+        terms = []
+        for j, out in enumerate(outs):
+            flat = out.flatten(0, -2)  # [B*C, H], or [n_j, H] computed rows
+            if config.trim != "none" and config.fused_head:
+                head = functools.partial(head_logits, cfg=self.draft.cfg,
+                                         fused=config.compile_elementwise)
+                terms.append(head_step_terms(
+                    flat.index_select(0, at[j]), head, self.draft.head_weights(), table,
+                    rowmap.table_rows[j], d2t, **kwargs,
+                    chunk_rows=fused_head_chunk(config.head_chunk_rows, config.draft.draft_vocab_size)))
+                continue
+            if config.trim != "none":
+                logits = self.draft.head(flat.index_select(0, at[j]))  # [n_j, Vd]
+                table_rows, row_mask = rowmap.table_rows[j], None
+            else:
+                logits = self.draft.head(flat)  # [B*C, Vd]
+                table_rows, row_mask = _dense_step(rowmap, j, supervised_flat, features.positions)
+            terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask, **kwargs))
+        if collectives is not None:
+            # One zero-weighted dummy row per step keeps every step's output in the graph
+            # on every rank (a rank whose step is dead still joins that step's backward
+            # collectives, so no rank waits forever).
+            dummy = [0 * out.flatten()[:1].sum() for out in outs]
+            terms = [dataclasses.replace(t, loss_sum=t.loss_sum + z, accept_sum=t.accept_sum + z,
+                                         log_accept_sum=t.log_accept_sum + z)
+                     for t, z in zip(terms, dummy)]
+        return terms
+
+
+def _dense_step(rowmap: RowMap, j: int, supervised_flat: torch.Tensor,
+                positions_BT: torch.Tensor | None = None):
+    """Full-length path, step j: every row ``b*C + p`` reads teacher ``b*T + p + j``
+    (``[B*C]``, clamped inside its sample) and counts iff ``p + j < T``, that
+    position is supervised and (packed, ``positions_BT``) in row p's document:
+    ``positions[p + j] >= j``."""
+    B, C, T = rowmap.batch_size, rowmap.num_rows, rowmap.buffer_len
+    s = torch.arange(C, device=supervised_flat.device) + j
+    index = (torch.arange(B, device=s.device)[:, None] * T + s.clamp_max(T - 1)).flatten()
+    counts = (s < T).repeat(B) & supervised_flat[index]
+    if positions_BT is not None:
+        counts = counts & (positions_BT.flatten()[index] >= j)
+    return index, counts
+
+
+def _teacher(features: Features, read_U: torch.Tensor, config: TTTConfig,
+             t2d: torch.Tensor) -> TeacherTable:
+    """Teacher table from the target outputs at flat positions ``read_U`` of z."""
+    if features.target_logits is not None:
+        return teacher_table_from_logits(features.target_logits.flatten(0, 1)[read_U], t2d)
+    if features.final_hidden is None or features.target_head is None:
+        raise ValueError("Features need target_logits, or final_hidden and target_head")
+    return teacher_table_from_hidden(features.final_hidden.flatten(0, 1)[read_U],
+                                     features.target_head, t2d, chunk_size=config.teacher_chunk_size,
+                                     compile_elementwise=config.compile_elementwise)
+
+
+def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
+        *, d2t: torch.Tensor, t2d: torch.Tensor,
+        collectives: Collectives | None = None) -> Objective:
+    """The TTT objective and per-step metrics of one batch (differentiable in params).
+
+    Args:
+        params: draft parameters (``draft.init_params``), any dtype/device.
+        features: the batch (``Features``), ``[B, T, ...]``.
+        rowmap: ``rowmap.build_rowmap(supervised_mask, k)`` of this batch (a packed
+            batch: both given ``positions=features.positions``, SPEC 9).
+        config: ``TTTConfig``; ``config.trim`` picks the full or the trimmed path.
+        d2t, t2d: the vocab map.
+        collectives: under data/sequence parallelism (``eagle3fn.parallel``): the
+            cross-rank attention and the reduction of the per-step sums. ``features``
+            and ``rowmap`` are then this rank's (``C`` own rows + a ``k`` tail).
+
+    Returns:
+        ``Objective`` (``objective`` 0-d, per-step ``[k]`` losses and metrics, tau).
+    """
+    B, T = features.input_ids.shape
+    if (rowmap.batch_size, rowmap.buffer_len) != (B, T) or rowmap.ttt_length != config.ttt_length:
+        raise ValueError(
+            f"row map is for B={rowmap.batch_size}, T={rowmap.buffer_len}, k={rowmap.ttt_length} "
+            f"but the batch has B={B}, T={T} and config.ttt_length={config.ttt_length}"
+        )
+    positions = rowmap.teacher_positions
+    if positions.numel():
+        _check_teachers(positions, T, features.positions)
+    if config.trim == "auto":
+        config = dataclasses.replace(config, trim=choose_trim(rowmap, config))
+    # The steps' index maths first, on the host: its one download waits for nothing but
+    # the row map, not for the teacher.
+    plan = _plan_steps(rowmap, config.trim, features, _flex_path(
+        config.attention, collectives.attend if collectives is not None else None, features),
+        config.query_buckets)
+    supervised_flat = None
+    if config.trim != "none":
+        table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
+    else:
+        supervised_flat = torch.zeros(B * T, dtype=torch.bool, device=positions.device)
+        supervised_flat[positions] = True
+        s = torch.arange(B * T, device=positions.device)
+        # A teacher at every position; the last one of each buffer has no z[s+1] and is
+        # never supervised, so any row of z may stand in for it.
+        table = _teacher(features, torch.where(s % T == T - 1, s, s + 1), config, t2d)
+    module = _Unrolled(skeleton(config.draft, config.compile_elementwise))
+    named = {f"draft.{k}": v for k, v in params.items()}
+    terms = torch.func.functional_call(
+        module, named, (features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
+    )
+    if collectives is None:
+        return objective(terms, rowmap.denominator, config.loss)
+    if config.loss.normalization == "local_mean" and not _is_one(collectives.loss_scale):
+        scale = torch.as_tensor(collectives.loss_scale).to(terms[0].loss_sum)
+        terms = [dataclasses.replace(t, loss_sum=t.loss_sum * scale) for t in terms]
+    terms = collectives.reduce_terms(terms)
+    if collectives.gated is not None:
+        terms = [dataclasses.replace(t, gated=g.to(t.gated)) for t, g in zip(terms, collectives.gated)]
+    return objective(terms, collectives.denominator, config.loss)
+
+
+def _check_teachers(positions_U: torch.Tensor, T: int, positions_BT: torch.Tensor | None) -> None:
+    """ValueError when a teacher position ``s`` (flat ``b*T + s``) does not hold its
+    teacher ``z[s+1]``: ``s`` is the last of its buffer, or (packed, ``positions_BT``)
+    of its document. One host sync."""
+    bad = [(positions_U % T == T - 1).any()]
+    if positions_BT is not None:
+        pos = positions_BT.flatten()
+        bad.append((pos[(positions_U + 1).clamp_max(pos.numel() - 1)] != pos[positions_U] + 1).any())
+    bad = torch.stack(bad).tolist()
+    if bad[0]:
+        raise ValueError(
+            "a teacher position is the last of its buffer, where z'[s] = z[s+1] is not held; "
+            "build the mask with align.supervised_mask (it never supervises t = L-1)"
+        )
+    if bad[-1]:
+        raise ValueError(
+            "a teacher position is the last of its packed document, where z'[s] = z[s+1] is the "
+            "next document's; build the mask with align.supervised_mask(..., "
+            "positions=features.positions)")
+
+
+def _is_one(x: float | torch.Tensor) -> bool:
+    """``x == 1`` for a number; a tensor scale is applied as it is (no host sync)."""
+    return not isinstance(x, torch.Tensor) and x == 1
+
+
+def gated_counts(features: Features, rowmap: RowMap, config: TTTConfig, t2d: torch.Tensor) -> torch.Tensor:
+    """``[k]`` int64: the gated rows of each step of this batch (rows whose teacher's
+    argmax is in the draft vocab), as ``ttt``'s step terms count them, without running
+    the draft: the teacher at the teacher positions only (no grad). Summed over the
+    micro-batches of a step (and ranks), it is ``Collectives.gated``."""
+    with torch.no_grad():
+        table = _teacher(features, rowmap.teacher_positions + 1, config, t2d)
+        return torch.stack([table.gate[r].sum() for r in rowmap.table_rows]).to(torch.int64)

@@ -1,0 +1,219 @@
+"""Sequence packing (SPEC 9), data to loop: first-fit packing and collation, the
+target's features of a packed batch (equal to each conversation alone, with controls
+that leak across conversations), the refusals, and the training loop's first gradient
+packed vs unpacked (online and from the cache) in fp64 at 1e-10."""
+
+import pytest
+import torch
+from test_train import workdir  # noqa: F401 - the tiny target + data fixture
+
+import eagle3fn.unrolled.attention as attention_module
+from eagle3fn.io.data import Example
+from eagle3fn.io.packing import collate_packed, first_fit, pack_examples, pack_features
+from eagle3fn.loss import LossConfig
+from eagle3fn.shapes import Features
+
+TOKEN, LOCAL = LossConfig(normalization="token_mean"), LossConfig()
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def test_first_fit_golden_and_brute_force():
+    assert first_fit([5, 3, 4, 2, 6, 1], 8) == [[0, 1], [2, 3, 5], [4]]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        cap = int(torch.randint(4, 40, (1,), generator=g))
+        lengths = torch.randint(1, cap + 1, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g).tolist()
+        bins, room = [], []
+        for i, L in enumerate(lengths):
+            b = next((b for b, r in enumerate(room) if r >= L), len(bins))
+            if b == len(bins):
+                bins.append([])
+                room.append(cap)
+            bins[b].append(i)
+            room[b] -= L
+        assert first_fit(lengths, cap) == bins
+    with pytest.raises(ValueError, match="lengths must be in"):
+        first_fit([3, 9], 8)
+
+
+def _example(n, source):
+    return Example(torch.arange(n) + 1, torch.arange(n) % 2 == 1, source)
+
+
+def test_pack_examples_and_collate():
+    """First-fit in file order, never splitting; a conversation longer than max_length
+    is cut (as without packing); positions restart, padding continues the last."""
+    ex = [_example(n, f"f:{i}") for i, n in enumerate([5, 3, 12, 2, 4])]
+    rows = pack_examples(ex, 8)
+    assert [[e.source for e in r] for r in rows] == [["f:0", "f:1"], ["f:2"], ["f:3", "f:4"]]
+    assert len(rows[1][0]) == 8 and torch.equal(rows[1][0].input_ids, ex[2].input_ids[:8])
+    assert pack_examples(ex, 8)[0][0] is ex[0]  # a short conversation is passed as it is
+    assert [[e.source for e in r] for r in pack_examples(ex, 8)] == [[e.source for e in r] for r in rows]
+    b = collate_packed(rows, pad_token_id=0, length=10)
+    assert {k: tuple(v.shape) for k, v in b.items()} == {k: (3, 10) for k in b}
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+    assert b["position_ids"][2].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert b["attention_mask"].sum(1).tolist() == [8, 8, 6]
+    assert b["input_ids"][2].tolist() == [1, 2, 1, 2, 3, 4, 0, 0, 0, 0]
+    assert b["loss_mask"][0].tolist() == [False, True, False, True, False, False, True, False, False, False]
+
+
+# ---------------------------------------------------------------------------- target
+
+
+def tiny_target(impl):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3fn.io.target import load_target
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, attn_implementation=impl)
+    return load_target(LlamaForCausalLM(cfg), aux_layer_ids=(1, 3, 5), dtype=torch.float64)
+
+
+def err(x, y):
+    return ((x - y).abs().max() / y.abs().max()).item()
+
+
+@pytest.mark.parametrize("impl,tol", [("sdpa", 1e-10), ("eager", 1e-6)])
+def test_target_features_of_a_packed_batch(impl, tol, monkeypatch):
+    """The target on packed rows (position_ids restarting, transformers' packed-sequence
+    masks) gives each conversation's aux and final hidden as it alone does; the packed
+    cache path (``pack_features`` of unpacked features) equals it. fp64; eager at 1e-6
+    because transformers' eager softmax runs in fp32 whatever the dtype. Controls: no
+    position_ids, and the packed-sequence detection switched off (attention leaking
+    across conversations, positions still restarting)."""
+    import transformers.masking_utils as masking
+
+    from eagle3fn.io.target import target_features
+
+    target = tiny_target(impl)
+    ex = [Example(torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)),
+                  torch.ones(n, dtype=torch.bool), f"f:{n}") for n in (5, 7, 3, 9, 6)]
+    rows = pack_examples(ex, 16)
+    b = collate_packed(rows, 0, 16)
+    packed = target_features(target, b["input_ids"], b["attention_mask"], position_ids=b["position_ids"])
+    assert torch.equal(packed.positions, b["position_ids"])
+    alone = {e.source: target_features(target, e.input_ids[None], torch.ones(1, len(e), dtype=torch.long))
+             for e in ex}
+
+    def worst(f):
+        out = 0.0
+        for r, row in enumerate(rows):
+            start = 0
+            for e in row:
+                for name in ("aux", "final_hidden"):
+                    got = getattr(f, name)[r, start:start + len(e)]
+                    out = max(out, err(got, getattr(alone[e.source], name)[0]))
+                start += len(e)
+        return out
+    assert worst(packed) <= tol
+    from eagle3fn.io.data import collate
+
+    u = collate(ex, 0)
+    cached, _ = pack_features(target_features(target, u["input_ids"], u["attention_mask"]), u["loss_mask"], 16)
+    assert worst(cached) <= tol
+    assert worst(target_features(target, b["input_ids"], b["attention_mask"])) > 1e-3
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    assert worst(target_features(target, b["input_ids"], b["attention_mask"],
+                                 position_ids=b["position_ids"])) > 1e-3
+
+
+def test_packed_target_refuses_multimodal_inputs():
+    from eagle3fn.errors import UsageError
+    from eagle3fn.io.target import target_features
+
+    target = tiny_target("sdpa")
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(UsageError, match="text targets"):
+        target_features(target, ids, ids, position_ids=torch.arange(4)[None], pixel_values=torch.zeros(1))
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_sequence_parallelism_with_packing_is_refused():
+    from eagle3fn.errors import UsageError
+    from eagle3fn.parallel import ParallelConfig, shard_sequence
+    from eagle3fn.train.config import TrainConfig
+
+    for par in (ParallelConfig(ring=2), ParallelConfig(ulysses=2)):
+        with pytest.raises(UsageError, match="--pack with --parallel.ring .* drop --pack"):
+            TrainConfig(model="m", data="d", pack=True, parallel=par)
+    TrainConfig(model="m", data="d", pack=True)  # one rank per sequence: fine
+    f = Features(input_ids=torch.zeros(1, 6, dtype=torch.long), aux=torch.zeros(1, 6, 3),
+                 attention_mask=torch.ones(1, 6), positions=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    with pytest.raises(UsageError, match="cannot be split by sequence parallelism"):
+        shard_sequence(f, torch.zeros(1, 6, dtype=torch.bool), 2, 0, 2)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def _loop_config(workdir, out, **kw):  # noqa: F811
+    """test_train's tiny run, fp64 on the CPU, every conversation in the first step."""
+    from test_train import config
+
+    return config(workdir, out, device="cpu", precision="float64", epochs=1, max_length=160, **kw)
+
+
+def _rel(got, want):
+    return max(((got[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want)
+
+
+@pytest.fixture(scope="module")
+def loop_cache(workdir, tmp_path_factory):  # noqa: F811
+    from eagle3fn.cli.main import main
+
+    out = tmp_path_factory.mktemp("packing") / "cache"
+    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(out), "--batch-size", "2", "--storage", "float32"])
+    return out
+
+
+def test_loop_packed_equals_unpacked(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """The loop's first gradient (every conversation in one micro-batch: 8 x 77
+    unpacked, 4 packed rows x 160) is the same packed or not under token_mean, and
+    under local_mean once each is multiplied by its divisor (B*S: 640 and 616).
+    Controls: the local_mean gradients unscaled; the draft's or the target's attention
+    leaking across conversations."""
+    from loop_grad_cases import first_grads
+
+    for loss in (TOKEN, LOCAL):
+        kw = dict(loss=loss, trim="backbone", trim_loss_positions=False)
+        unpacked = first_grads(_loop_config(workdir, tmp_path / f"u{loss.normalization}", batch_size=8, **kw))
+        packed = first_grads(_loop_config(workdir, tmp_path / f"p{loss.normalization}", batch_size=4,
+                                          pack=True, **kw))
+        if loss is TOKEN:
+            assert _rel(packed, unpacked) <= 1e-10
+        else:
+            scaled = lambda g, x: {n: v * x for n, v in g.items()}  # noqa: E731
+            assert _rel(scaled(packed, 4 * 160), scaled(unpacked, 8 * 77)) <= 1e-10
+            assert _rel(packed, unpacked) > 1e-3
+    # Controls: the draft's attention, or the target's, blind to the documents. (Row maps
+    # without document bounds change nothing here: chat data never supervises a
+    # conversation's first k tokens, its prompt comes first.)
+    import transformers.masking_utils as masking
+
+    want = first_grads(_loop_config(workdir, tmp_path / "want", batch_size=8, loss=TOKEN))
+    for module, name, blind in ((attention_module, "document_starts", torch.zeros_like),
+                                (masking, "find_packed_sequence_indices", lambda position_ids: None)):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, blind)
+            got = first_grads(_loop_config(workdir, tmp_path / f"blind-{name}", batch_size=4, pack=True,
+                                           loss=TOKEN))
+        assert _rel(got, want) > 1e-3, name
+
+
+def test_loop_packed_cache_equals_unpacked(workdir, loop_cache, tmp_path):  # noqa: F811
+    """The offline cache packed as read (each 2-conversation shard -> one row), four
+    shards in one step (grad_accum 4, token_mean): the unpacked cache's gradient."""
+    from loop_grad_cases import first_grads
+
+    kw = dict(cache=str(loop_cache), grad_accum=4, loss=TOKEN)
+    packed = first_grads(_loop_config(workdir, tmp_path / "p", pack=True, **kw))
+    unpacked = first_grads(_loop_config(workdir, tmp_path / "u", **kw))
+    assert _rel(packed, unpacked) <= 1e-10
