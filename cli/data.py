@@ -54,7 +54,7 @@ class DataSource:
 def _tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
-    from eagle3fn.io.target import check_model_dir
+    from eagle3fn.io.model_dir import check_model_dir
 
     check_model_dir(source.path, source.gguf_file, weights=False, tokenizer=True)
     return AutoTokenizer.from_pretrained(source.path, **source.kwargs())
@@ -64,7 +64,7 @@ def _check_inputs(model: ModelSource, data: DataSource, *, weights: bool) -> Non
     """The model directory (config, tokenizer, weights when they will be loaded) and the
     data file, checked before anything loads."""
     from eagle3fn.io.data import check_data_file
-    from eagle3fn.io.target import check_model_dir
+    from eagle3fn.io.model_dir import check_model_dir
 
     check_model_dir(model.path, model.gguf_file, weights=weights, tokenizer=True)
     check_data_file(data.path)

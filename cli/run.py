@@ -30,7 +30,7 @@ class ExportArgs:
 def _run_target(cfg: dict, *, weights: bool, tokenizer: bool) -> dict:
     """The ``from_pretrained`` kwargs of a run's target after ``check_model_dir`` found
     it where the run was trained from (a moved model is named with the run)."""
-    from eagle3fn.io.target import check_model_dir
+    from eagle3fn.io.model_dir import check_model_dir
 
     check_model_dir(cfg["model"], cfg.get("gguf_file"), weights=weights, tokenizer=tokenizer)
     return {"gguf_file": cfg["gguf_file"]} if cfg.get("gguf_file") else {}

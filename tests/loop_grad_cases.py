@@ -36,6 +36,27 @@ def first_grads(cfg) -> dict[str, torch.Tensor]:
     return got
 
 
+def eval_run(cfg) -> dict:
+    """A one-step run with held-out conversations: its ``"split": "eval"`` metrics rows
+    and the sequence length of every batch ``ttt`` evaluated (on this rank)."""
+    import eagle3fn.train.evaluate as evaluate_module
+    from eagle3fn.train.loop import train
+    from eagle3fn.train.metrics import read_metrics
+
+    real, lengths = evaluate_module.ttt, []
+
+    def spy(params, features, *args, **kwargs):
+        lengths.append(features.input_ids.shape[1])
+        return real(params, features, *args, **kwargs)
+    evaluate_module.ttt = spy
+    try:
+        train(dataclasses.replace(cfg, max_steps=1), log=lambda s: None)
+    finally:
+        evaluate_module.ttt = real
+    rows = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if r.get("split") == "eval"]
+    return {"eval": rows, "lengths": lengths}
+
+
 def rank_main(rank: int, world: int, init_file: str, runs: dict, result_file: str) -> None:
     """One spawned rank: every run of ``runs`` ({name: TrainConfig}) in turn under one
     process group (gloo, the loop's ``WORLD_SIZE`` path); rank 0 saves {name: grads}."""
@@ -48,7 +69,7 @@ def rank_main(rank: int, world: int, init_file: str, runs: dict, result_file: st
                             timeout=datetime.timedelta(seconds=60))
     results = {}
     for name, cfg in runs.items():
-        results[name] = first_grads(cfg)
+        results[name] = eval_run(cfg) if name.endswith("-eval") else first_grads(cfg)
     if rank == 0:
         torch.save(results, result_file)
     dist.barrier()

@@ -8,7 +8,8 @@ from recorders import save_tiny_target
 
 from eagle3fn.cli.main import main
 from eagle3fn.io.cache import FeatureCache
-from eagle3fn.io.data import collate, tokenize_file
+from eagle3fn.io.batching import collate
+from eagle3fn.io.data import tokenize_file
 from eagle3fn.io.target import load_target, target_features
 from eagle3fn.testing import tiny_chat_tokenizer
 from eagle3fn.io.vocab_io import load_vocab_map

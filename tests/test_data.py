@@ -12,13 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eagle3fn.align import sequence_lengths
+from eagle3fn.io.batching import batches, collate
 from eagle3fn.io.data import (
     Conversation,
     DataError,
     Example,
     assistant_char_spans,
-    batches,
-    collate,
     mask_from_char_spans,
     read_conversations,
     tokenize_conversation,

@@ -13,7 +13,8 @@ from test_train import config, workdir  # noqa: F401 - the tiny target + data fi
 from eagle3fn.cli.main import main
 from eagle3fn.errors import UsageError
 from eagle3fn.io.data import read_conversations
-from eagle3fn.io.target import check_model_dir, load_target
+from eagle3fn.io.model_dir import check_model_dir
+from eagle3fn.io.target import load_target
 from eagle3fn.train import CHECKPOINT, train
 
 

@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from loop_grad_cases import Oracle, concat, data_order, first_grads, first_step_items, rank_main
+from loop_grad_cases import Oracle, concat, data_order, eval_run, first_grads, first_step_items, rank_main
 from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture
 
 from eagle3fn.loss import LossConfig
@@ -83,7 +83,7 @@ class Data:
 
     def batch(self, item: int):
         """(features, loss_mask) of item ``item``: a group of conversations or a shard."""
-        from eagle3fn.io.data import collate
+        from eagle3fn.io.batching import collate
         from eagle3fn.io.target import target_features
 
         if self.cache is not None:
@@ -160,6 +160,7 @@ def spawned_runs(workdir, cache, root) -> dict:
         "cache-ring2-token": run_config(workdir, root / "cache-ring2-token", cache=str(cache), loss=TOKEN,
                                         trim="backbone", trim_loss_positions=False, parallel=ring),
         "dp2-pack-token": run_config(workdir, root / "dp2-pack-token", loss=TOKEN, pack=True, max_length=160),
+        "ring2-eval": run_config(workdir, root / "ring2-eval", parallel=ring, eval_holdout=2),
     }
 
 
@@ -289,3 +290,23 @@ def test_offline_cache_grad_accum(workdir, offline, cache, tmp_path):  # noqa: F
     oracle = Oracle.of_run(cfg, offline.target)
     check(got, oracle.grads(per_micro_batch(offline, items)),
           {"summed losses / summed B*T": oracle.grads(per_micro_batch(offline, items, pooled=True))})
+
+
+def test_held_out_evaluation_runs_in_the_sequence_parallel_layout(spawned, tmp_path):
+    """Under ring-2 every rank evaluates only its chunk of each held-out batch (it used to
+    evaluate the whole length alone, which runs out of memory exactly where sequence
+    parallelism is needed), and the pooled held-out metrics equal the one-process run's
+    in fp64. Control: the one-process run's batches are the whole length, longer than
+    any chunk the ranks saw."""
+    import dataclasses
+
+    runs, got = spawned
+    sp = got["ring2-eval"]
+    one = eval_run(dataclasses.replace(runs["ring2-eval"], parallel=ParallelConfig(),
+                                       out_dir=str(tmp_path / "one")))
+    assert sp["eval"] and len(sp["eval"]) == len(one["eval"])
+    for a, b in zip(sp["eval"], one["eval"]):
+        for key in ("loss", "kl", "acc", "accept", "tau"):
+            x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
+            assert ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item() <= 1e-9, (key, a[key], b[key])
+    assert sp["lengths"] and max(sp["lengths"]) < min(one["lengths"]), (sp["lengths"], one["lengths"])

@@ -111,7 +111,7 @@ def test_target_features_of_a_packed_batch(impl, tol, monkeypatch):
                 start += len(e)
         return out
     assert worst(packed) <= tol
-    from eagle3fn.io.data import collate
+    from eagle3fn.io.batching import collate
 
     u = collate(ex, 0)
     cached, _ = pack_features(target_features(target, u["input_ids"], u["attention_mask"]), u["loss_mask"], 16)

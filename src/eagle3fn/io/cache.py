@@ -222,44 +222,14 @@ def write_cache(
     fingerprint = {**fingerprint, "dtype": name, "format": FORMAT_VERSION}
     manifest = {"format": FORMAT_VERSION, "dtype": name, "fingerprint": fingerprint, "shards": [],
                 "head": None, "complete": False}
-    done: set[str] = set()
-    if (out / MANIFEST).exists():
-        old = _parse_manifest(out)
-        if old is None:
-            log(f"{out / MANIFEST} is unreadable; rewriting every shard")
-        else:
-            _check_resume(out, old["fingerprint"], fingerprint)
-            if old["shards"]:
-                log(f"checking the {len(old['shards'])} shards already in {out}")
-            for s in old["shards"]:
-                problem = _file_problem(out / s["name"], s)
-                if problem:
-                    log(f"{s['name']}: {problem}; rewriting it")
-                else:
-                    manifest["shards"].append(s)
-                    done.add(s["name"])
-            head = old.get("head")
-            problem = "missing" if head is None else _file_problem(out / HEAD, head)
-            if problem and done:
-                log(f"{HEAD}: {problem}; rewriting it")
-            manifest.update({k: old[k] for k in ("hidden_size", "vocab_size") if k in old},
-                            head=None if problem else head)
+    done = _resume(out, manifest, log)
     _atomic_json(manifest, out / MANIFEST)  # incomplete, listing only whole files, until the end
     for i, batch in enumerate(batches):
         shard = _shard_name(i)
         if shard in done and manifest["head"] is not None:
             continue
         feats = features_fn(batch)
-        tensors = {"aux": feats.aux.to(dtype).cpu(), "final_hidden": feats.final_hidden.to(dtype).cpu()}
-        for field, x in tensors.items():
-            row = _nonfinite_row(x)
-            if row is not None:
-                source = batch.get("sources", [None] * (row + 1))[row]
-                what = f"conversation {source} (row {row} of {shard})" if source else f"row {row} of {shard}"
-                raise RunError(
-                    f"the target gave non-finite {field} features for {what}; nothing was written "
-                    "for it: run the target in float32 (--model.dtype float32) or drop that "
-                    "conversation from the data")
+        tensors = _finite_features(feats, batch, shard, dtype)
         if manifest["head"] is None:
             head = feats.target_head.to(dtype).cpu()
             if _nonfinite_row(head) is not None:
@@ -284,6 +254,52 @@ def write_cache(
     manifest["complete"] = True
     _atomic_json(manifest, out / MANIFEST)
     return manifest
+
+
+def _resume(out: Path, manifest: dict, log: Callable[[str], None]) -> set[str]:
+    """The shards of an earlier run in ``out`` that pass their size and sha256 check
+    (listed into ``manifest``, with a head that passes too); UsageError for another
+    fingerprint. Broken files are named and left to be rewritten."""
+    fingerprint = manifest["fingerprint"]
+    done: set[str] = set()
+    if (out / MANIFEST).exists():
+        old = _parse_manifest(out)
+        if old is None:
+            log(f"{out / MANIFEST} is unreadable; rewriting every shard")
+        else:
+            _check_resume(out, old["fingerprint"], fingerprint)
+            if old["shards"]:
+                log(f"checking the {len(old['shards'])} shards already in {out}")
+            for s in old["shards"]:
+                problem = _file_problem(out / s["name"], s)
+                if problem:
+                    log(f"{s['name']}: {problem}; rewriting it")
+                else:
+                    manifest["shards"].append(s)
+                    done.add(s["name"])
+            head = old.get("head")
+            problem = "missing" if head is None else _file_problem(out / HEAD, head)
+            if problem and done:
+                log(f"{HEAD}: {problem}; rewriting it")
+            manifest.update({k: old[k] for k in ("hidden_size", "vocab_size") if k in old},
+                            head=None if problem else head)
+    return done
+
+
+def _finite_features(feats: Features, batch: dict, shard: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``aux`` and ``final_hidden`` in the storage dtype on the CPU; RunError naming the
+    conversation and row where the target gave a non-finite value."""
+    tensors = {"aux": feats.aux.to(dtype).cpu(), "final_hidden": feats.final_hidden.to(dtype).cpu()}
+    for field, x in tensors.items():
+        row = _nonfinite_row(x)
+        if row is not None:
+            source = batch.get("sources", [None] * (row + 1))[row]
+            what = f"conversation {source} (row {row} of {shard})" if source else f"row {row} of {shard}"
+            raise RunError(
+                f"the target gave non-finite {field} features for {what}; nothing was written "
+                "for it: run the target in float32 (--model.dtype float32) or drop that "
+                "conversation from the data")
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -463,7 +479,7 @@ def prepare(target, examples, out_dir: str | os.PathLike, *, batch_size: int, pa
     are cut in file order (no shuffling: a resumed run must see the same batches);
     training shuffles shards. Returns the manifest.
     """
-    from eagle3fn.io.data import batches, collate
+    from eagle3fn.io.batching import batches, collate
     from eagle3fn.io.target import target_features
 
     groups = list(batches(examples, batch_size=batch_size, seed=0, shuffle=False))

@@ -167,6 +167,27 @@ def export_draft(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
     text = _text_config(target_config)
     ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
+    tensors = _checked_params(params, cfg, text, d2t, t2d)
+    _warn_where_engines_differ(cfg, ids)
+    config = draft_config_dict(cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
+    weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(weights, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS)
+    tmp = out / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / CONFIG)
+    return out
+
+
+def _checked_params(params: dict[str, torch.Tensor], cfg: DraftConfig, text: dict, d2t: torch.Tensor,
+                    t2d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors to export (``expected_shapes``), after checking them, the vocab map
+    and the target config's sizes against ``cfg`` (ValueError naming the mismatch)."""
     for key, ours in (("hidden_size", cfg.ht), ("vocab_size", cfg.vocab_size)):
         if key in text and int(text[key]) != ours:
             raise ValueError(
@@ -175,7 +196,6 @@ def export_draft(
                 "pass the config of the target the draft was trained on"
             )
     validate_vocab_map(d2t, t2d, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size)
-
     expected = expected_shapes(cfg, with_embedding=_needs_embedding(cfg))
     tensors = {k: v for k, v in params.items() if k in expected}
     missing = sorted(set(expected) - set(tensors))
@@ -193,20 +213,24 @@ def export_draft(
                 f"params[{name!r}] has shape {tuple(t.shape)}, the draft config needs "
                 f"{expected[name]}"
             )
+    return tensors
 
+
+def _warn_where_engines_differ(cfg: DraftConfig, ids: tuple[int, int, int]) -> None:
+    """UserWarnings for what an engine would silently run differently: fc_norm /
+    norm_output off, aux ids not starting at 1, RoPE fields the engines lack."""
     if cfg.fc_norm or not cfg.norm_output:
         warnings.warn(
             "fc_norm / norm_output=False are written to config.json, but SGLang's and "
             "vLLM's llama_eagle3.py implement neither (SGLang drops fc_norm.* weights "
             "silently, vLLM rejects them); only SpecForge and eagle3fn load this draft "
-            "as trained", UserWarning, stacklevel=2)
+            "as trained", UserWarning, stacklevel=3)
     if ids[0] != 1:
         warnings.warn(
             f"aux_layer_ids={list(ids)} do not start at 1: SGLang before PR #25454 adds 1 "
             "to eagle_config's ids, later SGLang adds 1 only when the first id is 1, so "
             "SGLang versions capture different layers for this export (vLLM reads the "
-            "unambiguous top-level ids); see docs/export.md", UserWarning, stacklevel=2)
-
+            "unambiguous top-level ids); see docs/export.md", UserWarning, stacklevel=3)
     rope = cfg.rope
     if rope.rope_type == "longrope" or (rope.rope_type == "yarn" and (not rope.truncate
                                                                       or rope.attention_factor is not None)):
@@ -215,27 +239,17 @@ def export_draft(
             f"{', attention_factor' if rope.attention_factor is not None else ''}) is written as "
             "transformers defines it, but SGLang's yarn always truncates and scales attn_factor "
             "differently, and SpecForge has neither these yarn fields nor longrope: check that your "
-            "engine computes these frequencies before serving (docs/export.md)", UserWarning, stacklevel=2)
-    if "max_position_embeddings" in text:
-        max_positions = int(text["max_position_embeddings"])
-    elif rope.rope_type in ("llama3", "yarn", "longrope"):
-        max_positions = int(rope.original_max_position_embeddings * rope.factor)
-    else:
-        max_positions = DEFAULT_MAX_POSITIONS
-    config = draft_config_dict(cfg, ids, max_position_embeddings=max_positions, dtype=dtype)
+            "engine computes these frequencies before serving (docs/export.md)", UserWarning, stacklevel=3)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
-    weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
-    weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(weights, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS)
-    tmp = out / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / CONFIG)
-    return out
+
+def _max_positions(cfg: DraftConfig, text: dict) -> int:
+    """The export's ``max_position_embeddings``: the target's, else ``original * factor``
+    for a scaled RoPE, else ``DEFAULT_MAX_POSITIONS``."""
+    if "max_position_embeddings" in text:
+        return int(text["max_position_embeddings"])
+    if cfg.rope.rope_type in ("llama3", "yarn", "longrope"):
+        return int(cfg.rope.original_max_position_embeddings * cfg.rope.factor)
+    return DEFAULT_MAX_POSITIONS
 
 
 def draft_config_from_dict(config: dict) -> DraftConfig:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3fn.errors import UsageError
+from eagle3fn.io.model_dir import check_model_dir
 from eagle3fn.shapes import Features
 
 # Config fields by which transformers models change their logits after lm_head
@@ -93,53 +94,6 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
             f"{num_layers}-layer target are not three increasing layers in "
             f"[0, {num_layers - 2}] (that needs N >= 7); {hint}"
         ) from None
-
-
-_MODEL_FIX = ("pass a local directory with a HF model: config.json + *.safetensors; hub ids are "
-              "not downloaded (fetch one with `hf download <repo> --local-dir <dir>`)")
-# Files of which a directory needs one for AutoTokenizer (fast, sentencepiece, BPE,
-# WordPiece, tiktoken vocabularies, or the config naming the tokenizer class).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                    "vocab.txt", "*.tiktoken")
-
-
-def check_model_dir(path: str | Path, gguf_file: str | None = None, *, weights: bool = True,
-                    tokenizer: bool = False) -> Path:
-    """``path`` as a Path after checking it holds a loadable local HF model, before
-    anything is loaded (transformers would read a missing path as a hub repo id).
-
-    Without ``gguf_file``: ``config.json``, and with ``weights`` a ``*.safetensors`` or
-    ``pytorch_model*.bin`` file, and with ``tokenizer`` one of ``_TOKENIZER_FILES``.
-    With ``gguf_file``: that file inside ``path``, which holds config, weights and
-    tokenizer. Raises FileNotFoundError naming the path, what is missing and the fix,
-    UsageError when ``path`` is a file.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"target model path {str(path)!r} does not exist; {_MODEL_FIX}")
-    if not path.is_dir():
-        hint = (f"pass its directory {str(path.parent)!r} and the file name with --gguf-file "
-                f"{path.name}" if path.suffix == ".gguf" else _MODEL_FIX)
-        raise UsageError(f"target model path {str(path)!r} is a file, not a directory; {hint}")
-    if gguf_file is not None:
-        if not (path / gguf_file).is_file():
-            found = sorted(p.name for p in path.glob("*.gguf"))
-            raise FileNotFoundError(
-                f"target model path {str(path)!r} holds no GGUF file {gguf_file!r} (GGUF files "
-                f"there: {found or 'none'}); pass --gguf-file with one of them, or drop it for a "
-                "HF directory")
-        return path
-    missing = []
-    if not (path / "config.json").is_file():
-        missing.append("config.json")
-    if weights and not any(any(path.glob(g)) for g in ("*.safetensors", "pytorch_model*.bin")):
-        missing.append("weights (*.safetensors or pytorch_model*.bin)")
-    if tokenizer and not any(any(path.glob(g)) for g in _TOKENIZER_FILES):
-        missing.append("tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
-    if missing:
-        raise FileNotFoundError(
-            f"target model path {str(path)!r} holds no {' and no '.join(missing)}; {_MODEL_FIX}")
-    return path
 
 
 def _is_backbone(module) -> bool:

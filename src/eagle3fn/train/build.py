@@ -66,7 +66,7 @@ def draft_config_for(model_config, draft_vocab_size: int, vocab_size: int,
 
 def check_paths(cfg: TrainConfig) -> None:
     """Every input the run reads exists and looks right, before anything heavy loads."""
-    from eagle3fn.io.target import check_model_dir
+    from eagle3fn.io.model_dir import check_model_dir
 
     check_model_dir(cfg.model, cfg.gguf_file, tokenizer=not cfg.cache)
     for flag, path in (("--data", None if cfg.cache else cfg.data), ("--vocab-map", cfg.vocab_map)):

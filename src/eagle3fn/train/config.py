@@ -196,7 +196,8 @@ class TrainConfig:
     eval_holdout: int = 0
     """Conversations at the end of the data kept out of training and out of the vocab
     map (offline: the cache's trailing shards holding exactly this many). The training
-    objective runs on them with no grad (--eval-every, and at the end), and ``eagle3fn
+    objective runs on them with no grad (--eval-every, and at the end; under sequence
+    parallelism in the run's layout, each rank computing its chunk), and ``eagle3fn
     eval`` takes its prompts from them. A resumed run must hold out the same number."""
     eval_every: int = 0
     """Evaluate on the held-out conversations every N optimizer steps (0: only at the

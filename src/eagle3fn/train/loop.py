@@ -158,7 +158,8 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
 def _evaluate(run: Run, metrics, log) -> None:
     """The training objective on the held-out conversations, as a metrics row."""
     row = {"split": "eval", "step": run.step,
-           **evaluate_holdout(run.compute_params(), run.holdout, run.ttt_cfg, d2t=run.d2t, t2d=run.t2d)}
+           **evaluate_holdout(run.compute_params(), run.holdout, run.ttt_cfg, d2t=run.d2t, t2d=run.t2d,
+                              layout=run.layout)}
     metrics.write(row)
     log(f"eval step {run.step}: held-out loss {row['loss']:.4f} acc0 {row['acc'][0]:.3f} "
         f"tau {row['tau']:.2f} ({len(run.held)} conversations)")

@@ -63,7 +63,8 @@ def online_source(cfg: TrainConfig, device: torch.device):
     (the last ``eval_holdout`` conversations of the data)."""
     from transformers import AutoTokenizer
 
-    from eagle3fn.io.data import collate, tokenize_file
+    from eagle3fn.io.batching import collate
+    from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.packing import collate_packed, pack_examples
     from eagle3fn.io.target import target_features
 

@@ -1,0 +1,347 @@
+"""benchmarks/train.py's measurements: the FLOP floor of a step (``step_flops``) and
+the matmul ceiling, the recompile counter, the per-step observer that runs an
+``eagle3fn`` command in a subprocess (``probe``, ``run_eagle3fn``), the nvidia-smi
+sampler, the summary of a run's step records (``summarise``) and what the JSON says
+of each measure (``METHODS``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from train_target import Shape
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+
+
+# ---------------------------------------------------------------------------- FLOP floor
+
+
+def _pairs(length: int, window: int | None) -> int:
+    """(query, key) pairs of causal attention over ``length`` tokens (with a window)."""
+    if window is None or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def step_flops(shape: Shape, batch: list, *, ttt_length: int, online: bool) -> tuple[float, float]:
+    """``(dense, trimmed)`` FLOPs of one training step on ``batch`` (examples), counted
+    on real tokens only (BENCH.md's per-token terms; attention fwd 4 * heads * head_dim
+    per query-key pair, fwd+bwd 3x for matmuls, 3.5x for attention, the fc projection
+    2x as its input needs no gradient). ``online`` adds the target forward without its
+    head. Trimmed: teacher, head and loss at the supervised rows only, step 0's keys
+    and values for every row, the rest of the layer at the supervised rows."""
+    from eagle3fn.align import supervised_mask
+
+    H, k = shape.hidden, ttt_length
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    kv_proj = 2 * 2 * (2 * H) * kv           # k and v of the draft layer (input 2H), per row
+    layer = 2 * ((2 * H) * q + q * H + 3 * H * shape.intermediate) + kv_proj
+    head = 2 * H * shape.draft_vocab
+    teacher = 2 * H * shape.vocab
+    fc = 2 * (3 * H) * H * 2
+    attn = 4 * q * 3.5
+    dense = trimmed = 0.0
+    for e in batch:
+        L = len(e)
+        sup = supervised_mask(e.loss_mask[None])[0].nonzero().flatten()
+        M, sup_pairs = int(sup.numel()), int((sup + 1).sum())
+        if online:
+            target = 2 * shape.layers * shape.layer_params * L + sum(
+                4 * q * _pairs(L, None if shape.is_global(i) else shape.sliding_window)
+                for i in range(shape.layers))
+            dense += target
+            trimmed += target
+        dense += teacher * L + fc * L + k * 3 * (layer + head) * L + sum(
+            attn * (_pairs(L, None) + j * L) for j in range(k))
+        trimmed += (teacher * M + fc * L + 3 * kv_proj * L + k * 3 * (layer - kv_proj + head) * M
+                    + (k - 1) * 3 * kv_proj * M + sum(attn * (sup_pairs + j * M) for j in range(k)))
+    return dense, trimmed
+
+
+def matmul_tflops(device: str) -> float:
+    """The bf16 8192^3 matmul rate on CUDA (BENCH.md's ceiling); an fp32 1024^3 one on
+    the CPU (only so that the floors exist there)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        a @ a
+    sync()
+    t = time.perf_counter()
+    iters = 10 if cuda else 3
+    for _ in range(iters):
+        a @ a
+    sync()
+    return iters * 2 * n**3 / (time.perf_counter() - t) / 1e12
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class RecompileCounter:
+    """Counts dynamo "Recompiling function" log events in this process (turns on the
+    ``recompiles`` log artifact) and the times a function hit dynamo's recompile limit
+    (after which it runs uncompiled), keeping the first few messages."""
+
+    def __init__(self, keep: int = 5) -> None:
+        import logging
+
+        import torch._logging
+
+        self.count, self.limit_hits, self.examples, self.keep = 0, 0, [], keep
+        torch._logging.set_logs(recompiles=True)
+        counter = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if message.startswith("Recompiling function"):
+                    counter.count += 1
+                elif message.startswith("torch._dynamo hit config."):
+                    counter.limit_hits += 1
+                else:
+                    return
+                if len(counter.examples) < counter.keep:
+                    counter.examples.append(" ".join(message.split())[:300])
+        self.handler = Handler()
+        logging.getLogger("torch._dynamo").addHandler(self.handler)
+
+    def close(self) -> None:
+        """Stop counting; torch's log settings back to their defaults."""
+        import logging
+
+        import torch._logging
+
+        logging.getLogger("torch._dynamo").removeHandler(self.handler)
+        torch._logging.set_logs()
+
+    @staticmethod
+    def graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+
+def _step_record(t_start: float, tokens: int, padded: int, recompiles: RecompileCounter, **extra) -> dict:
+    """One step's record after a device sync: wall times (epoch s), tokens, compile
+    counters and the allocator's peak since the last record (then reset)."""
+    import torch
+
+    row = {"t_start": t_start, "tokens": tokens, "padded": padded, "recompiles": recompiles.count,
+           "limit_hits": recompiles.limit_hits, "graphs": recompiles.graphs(), **extra}
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        row.update(peak=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+    row["t_end"] = time.time()
+    return row
+
+
+def probe(record_path: str, argv: list[str]) -> None:
+    """Run ``eagle3fn.cli.main.main(argv)``, as ``python -m eagle3fn.cli`` does, and
+    write to ``record_path`` per optimizer step what ``_step_record`` records, plus the
+    padded tokens of its micro-batches (``train.step.micro_batch``) and the seconds in
+    ``FeatureCache.read``. Observes only: the loop's functions are wrapped, not changed."""
+    import torch
+
+    from eagle3fn.cli import main as cli
+    from eagle3fn.io.cache import FeatureCache
+    from eagle3fn.train import loop, step
+
+    recompiles = RecompileCounter()
+    record = {"steps": [], "t_probe": time.time()}
+    acc = {"padded": 0, "load_s": 0.0}
+    real_micro_batch, real_read, real_step = step.micro_batch, FeatureCache.read, loop.optimizer_step
+
+    def micro_batch(*args, **kwargs):
+        out = real_micro_batch(*args, **kwargs)
+        acc["padded"] += out[1].attention_mask.numel()
+        return out
+
+    def read(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real_read(self, *args, **kwargs)
+        finally:
+            acc["load_s"] += time.perf_counter() - t
+
+    def optimizer_step(run, order, **kwargs):
+        if not record["steps"] and torch.cuda.is_initialized():
+            record["before_first_step"] = {"peak": torch.cuda.max_memory_allocated(),
+                                           "reserved": torch.cuda.max_memory_reserved(),
+                                           "recompiles": recompiles.count, "graphs": recompiles.graphs()}
+            torch.cuda.reset_peak_memory_stats()
+        acc.update(padded=0, load_s=0.0)
+        t = time.time()
+        result = real_step(run, order, **kwargs)
+        record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=acc["load_s"]))
+        return result
+
+    step.micro_batch, FeatureCache.read, loop.optimizer_step = micro_batch, read, optimizer_step
+    try:
+        cli.main(argv)
+    finally:
+        record["recompile_examples"] = recompiles.examples
+        Path(record_path).write_text(json.dumps(record))
+
+
+class GpuSampler:
+    """``nvidia-smi`` sampling utilization.gpu and memory.used of one GPU every
+    ``period_ms`` in the background; ``window(t0, t1)`` summarises the samples taken
+    in ``[t0, t1]`` (epoch seconds). Without nvidia-smi it holds no samples."""
+
+    def __init__(self, gpu: str, period_ms: int) -> None:
+        import datetime
+
+        self.samples: list[tuple[float, float, float]] = []
+        exe = shutil.which("nvidia-smi")
+        self.proc = None
+        if exe is None:
+            return
+        cmd = [exe, f"--id={gpu}", "--query-gpu=timestamp,utilization.gpu,memory.used",
+               "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"]
+        if shutil.which("stdbuf"):  # line-buffered through the pipe
+            cmd = ["stdbuf", "-oL", *cmd]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def read():
+            for line in self.proc.stdout:
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    self.samples.append((when, float(parts[1]), float(parts[2])))
+                except (ValueError, IndexError):
+                    continue
+        self.thread = threading.Thread(target=read, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.thread.join(timeout=5)
+
+    def window(self, t0: float, t1: float) -> dict:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        return {"gpu_busy_pct": round(statistics.mean(s[1] for s in inside), 1) if inside else None,
+                "smi_samples": len(inside),
+                "smi_peak_used_gib": round(max(s[2] for s in self.samples) / 1024, 2) if self.samples else None}
+
+
+def summarise(steps: list[dict], *, warmup: int, launched: float, ceiling_tflops: float,
+              floors: list[tuple[float, float]] | None, before: dict | None = None) -> dict:
+    """The reported numbers of one run from its per-step records (module docstring).
+    ``floors[i]``: the (dense, trimmed) FLOPs of step i, or None when the batches
+    could not be matched to the data."""
+    n = len(steps)
+    w = max(0, min(warmup, n - 2))
+    t_first, t_window = steps[0]["t_start"], steps[w - 1]["t_end"] if w else steps[0]["t_start"]
+    t_last = steps[-1]["t_end"]
+    steady = steps[w:]
+    tokens = sum(s["tokens"] for s in steady)
+    seconds = t_last - t_window
+    rate = tokens / seconds
+    ends = [s["t_end"] for s in steps]
+    durations = [ends[i] - (ends[i - 1] if i else steps[0]["t_start"]) for i in range(w, n)]
+    out = {
+        "steps": n, "warmup_steps": w, "tokens_per_s": round(rate, 1),
+        "padded_tokens_per_s": round(sum(s["padded"] for s in steady) / seconds, 1),
+        "ms_per_step_median": round(1e3 * statistics.median(durations), 2),
+        "startup_s": round(t_first - launched, 2),
+        "warmup_s": round((t_window - t_first) - sum(s["tokens"] for s in steps[:w]) / rate, 2),
+        "to_steady_s": round(t_window - launched, 2),
+        "padding_frac": round(1 - sum(s["tokens"] for s in steps) / sum(s["padded"] for s in steps), 4),
+        "recompiles_after_warmup": steps[-1]["recompiles"] - (steps[w - 1]["recompiles"] if w else 0),
+        "graph_compiles_after_warmup": steps[-1]["graphs"] - (steps[w - 1]["graphs"] if w else 0),
+        "recompiles_total": steps[-1]["recompiles"], "graph_compiles_total": steps[-1]["graphs"],
+        "recompile_limit_hits": steps[-1]["limit_hits"],
+        "window": [t_window, t_last],
+    }
+    if "load_s" in steps[0]:
+        out["input_wait_frac"] = round(sum(s["load_s"] for s in steady) / seconds, 4)
+    if "peak" in steps[0]:
+        gib = 2**30
+        peaks = [s["peak"] for s in steps] + ([before["peak"]] if before else [])
+        out.update(peak_gib=round(max(peaks) / gib, 2), steady_peak_gib=round(max(s["peak"] for s in steady) / gib, 2),
+                   reserved_gib=round(max(s["reserved"] for s in steps) / gib, 2))
+    else:
+        out.update(peak_gib=None, steady_peak_gib=None, reserved_gib=None)
+    if floors is not None:
+        dense = sum(f[0] for f in floors[w:]) / (ceiling_tflops * 1e12)
+        trimmed = sum(f[1] for f in floors[w:]) / (ceiling_tflops * 1e12)
+        out.update(floor_dense_tokens_per_s=round(tokens / dense, 1),
+                   floor_trim_tokens_per_s=round(tokens / trimmed, 1),
+                   floor_dense_frac=round(dense / seconds, 4), floor_trim_frac=round(trimmed / seconds, 4))
+    return out
+
+
+METHODS = {
+    "tokens_per_s": "real tokens of the steps after warmup_steps / wall s from the end of the last warm-up "
+                    "step to the end of the last step; each step ends after a device sync",
+    "warmup_s": "wall s of the warm-up steps minus their real tokens at the steady rate",
+    "startup_s": "process launch to the start of the first optimizer step",
+    "padding_frac": "1 - real/padded tokens of every micro-batch computed on (padded = B*S)",
+    "recompiles_after_warmup": "dynamo 'Recompiling function' log events during the steady window",
+    "recompile_limit_hits": "dynamo 'hit config.recompile_limit' warnings in the run (that code then runs eager)",
+    "graph_compiles_after_warmup": "new dynamo graphs (counters['stats']['unique_graphs']) in the steady window",
+    "gpu_busy_pct": "mean nvidia-smi utilization.gpu over the steady window, sampled every smi_period_ms",
+    "peak_gib": "torch.cuda.max_memory_allocated over the run, reset after every step (target weights included)",
+    "floor_*": "FLOPs of the steady window's batches (step_flops) / the matmul rate measured in this process; "
+               "frac = floor time / measured time",
+    "input_wait_frac": "offline: s inside FeatureCache.read / steady window s",
+    "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
+}
+
+
+# ---------------------------------------------------------------------------- eagle3fn
+
+
+def _python(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "eagle3fn.cli", *args])
+
+
+def run_eagle3fn(argv: list[str], *, log: Path, record: Path, gpu: str | None, smi_ms: int,
+                 env: dict[str, str]) -> tuple[dict, float, GpuSampler | None]:
+    """One ``eagle3fn`` command in a subprocess under ``probe`` with ``env`` added to
+    this process's environment: ``(record, launch time, sampler)``; raises
+    RuntimeError naming the log when it fails."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import train_probe; train_probe.probe(sys.argv[2], sys.argv[3:])"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    sampler = GpuSampler(gpu, smi_ms) if gpu is not None else None
+    launched = time.time()
+    try:
+        with open(log, "w") as f:
+            done = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR), str(record), *argv],
+                                  stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if done.returncode or not record.exists():
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{_python(argv)} exited {done.returncode} (log {log}):\n{tail}")
+    return json.loads(record.read_text()), launched, sampler
+
+
+def run_prepare(argv: list[str], log: Path) -> float:
+    """``python -m eagle3fn.cli prepare ...``: its wall seconds (RuntimeError on failure)."""
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "-m", "eagle3fn.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT, check=False)
+    if done.returncode:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{_python(argv)} exited {done.returncode} (log {log}):\n{tail}")
+    return time.perf_counter() - t
