@@ -51,3 +51,13 @@ def write_tiny_chat(path, conversations: int) -> None:
             for _ in range(conversations)]
     with open(path, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def prepare_cache(workdir, out, *extra: str, storage: str = "float32"):
+    """``eagle3fn prepare`` of the tiny target and chat in ``workdir`` into ``out`` (two
+    conversations per shard); ``extra`` flags are appended. Returns ``out``."""
+    from eagle3fn.cli.main import main
+
+    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
+          "--out", str(out), "--batch-size", "2", "--storage", storage, *extra])
+    return out

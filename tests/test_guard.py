@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from recorders import prepare_cache
 from test_train import config, final_params, workdir  # noqa: F401 - the tiny target + data fixture
 
 import eagle3fn.io.target as target_module
@@ -319,10 +320,8 @@ def test_a_full_disk_keeps_the_old_checkpoint_and_no_temp_file(workdir, tmp_path
 
 @pytest.fixture(scope="module")
 def bf16_cache(workdir, tmp_path_factory):  # noqa: F811
-    cache = tmp_path_factory.mktemp("cache") / "bf16"
-    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
-          "--out", str(cache), "--batch-size", "2", "--storage", "bfloat16", "--aux-layer-ids", "0", "2", "5"])
-    return cache
+    return prepare_cache(workdir, tmp_path_factory.mktemp("cache") / "bf16", "--aux-layer-ids", "0", "2", "5",
+                         storage="bfloat16")
 
 
 def test_a_bf16_cache_trains_on_the_cpu_upcast(workdir, bf16_cache, tmp_path):  # noqa: F811

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from loop_grad_cases import Oracle, concat, data_order, eval_run, first_grads, first_step_items, rank_main
+from recorders import prepare_cache
 from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture
 
 from eagle3fn.loss import LossConfig
@@ -129,12 +130,7 @@ def run_config(workdir, out, **kw):
 
 @pytest.fixture(scope="module")
 def cache(workdir, tmp_path_factory):  # noqa: F811
-    from eagle3fn.cli.main import main
-
-    out = tmp_path_factory.mktemp("loop_grads") / "cache"
-    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
-          "--out", str(out), "--batch-size", "2", "--storage", "float32"])
-    return out
+    return prepare_cache(workdir, tmp_path_factory.mktemp("loop_grads") / "cache")
 
 
 @pytest.fixture(scope="module")

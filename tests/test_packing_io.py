@@ -5,6 +5,7 @@ packed vs unpacked (online and from the cache) in fp64 at 1e-10."""
 
 import pytest
 import torch
+from recorders import prepare_cache
 from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
 import eagle3fn.unrolled.attention as attention_module
@@ -166,12 +167,7 @@ def _rel(got, want):
 
 @pytest.fixture(scope="module")
 def loop_cache(workdir, tmp_path_factory):  # noqa: F811
-    from eagle3fn.cli.main import main
-
-    out = tmp_path_factory.mktemp("packing") / "cache"
-    main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
-          "--out", str(out), "--batch-size", "2", "--storage", "float32"])
-    return out
+    return prepare_cache(workdir, tmp_path_factory.mktemp("packing") / "cache")
 
 
 def test_loop_packed_equals_unpacked(workdir, tmp_path, monkeypatch):  # noqa: F811
