@@ -1,4 +1,4 @@
-"""Data subcommands: ``vocab``, ``prepare``, ``cache verify``, ``regenerate`` (typed configs +
+"""Data subcommands: ``vocab``, ``prepare``, ``cache verify`` / ``cache info``, ``regenerate`` (typed configs +
 library calls)."""
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ class PrepareArgs:
     storage: Literal["auto", "bfloat16", "float32"] = "auto"
     """dtype of the cached aux features, final hidden and head (auto: bfloat16 when the
     target runs on CUDA, float32 on the CPU)."""
+    aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
+    """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
+    per token and aux layer (about half the bytes of bfloat16; lossy, see docs/cache.md)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -143,7 +146,8 @@ def prepare(args: PrepareArgs) -> None:
                    "target_dtype": str(dtype).removeprefix("torch."),
                    "data": file_fingerprint(args.data.path), "max_length": args.data.max_length,
                    "on_error": args.data.on_error}
-    given = {"batch_size": args.batch_size, "dtype": str(storage).removeprefix("torch.")}
+    given = {"batch_size": args.batch_size, "dtype": str(storage).removeprefix("torch."),
+             "aux_dtype": args.aux_dtype}
     if args.aux_layer_ids is not None:
         given["aux_layer_ids"] = list(args.aux_layer_ids)
     check_resumable(args.out, fingerprint | given)
@@ -153,22 +157,27 @@ def prepare(args: PrepareArgs) -> None:
     examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
                              on_error=args.data.on_error)
     write(target, examples, args.out, batch_size=args.batch_size, pad_token_id=tok.pad_token_id or 0,
-          fingerprint=fingerprint, dtype=storage)
+          fingerprint=fingerprint, dtype=storage, aux_dtype=args.aux_dtype)
 
 
 @dataclass(kw_only=True)
 class CacheArgs:
-    """Check an offline feature cache: ``eagle3fn cache verify DIR`` reads every shard
-    (exists, size and sha256 as the manifest says, loads, finite features), prints a
-    table and a summary, and exits 1 if any file is broken or the cache is unfinished."""
+    """Inspect an offline feature cache. ``eagle3fn cache verify DIR`` reads every shard
+    (exists, size and sha256 as the manifest says, loads, consistent index, finite
+    features), prints a table and a summary, and exits 1 if any file is broken or the
+    cache is unfinished. ``eagle3fn cache info DIR`` prints what the cache holds from its
+    manifest (conversations, real and supervised tokens, bytes per real token by
+    component, dtypes, fingerprints) without reading the shards."""
 
-    action: tyro.conf.Positional[Literal["verify"]]
-    """verify: check every file of the cache."""
+    action: tyro.conf.Positional[Literal["verify", "info"]]
+    """verify: check every file of the cache; info: summarise it from the manifest."""
     dir: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]]
     """The cache directory (the one eagle3fn prepare wrote)."""
 
 
 def cache(args: CacheArgs) -> None:
+    if args.action == "info":
+        return _info(args.dir)
     from eagle3fn.io.cache import verify_cache
     from eagle3fn.io.fingerprint import short
 
@@ -198,6 +207,28 @@ def cache(args: CacheArgs) -> None:
         raise RunError(f"the feature cache {args.dir} is unfinished ({len(shards)} shards); rerun "
                        f"eagle3fn prepare with the same settings and --out {args.dir} to finish it")
     print("OK")
+
+
+def _info(path: str) -> None:
+    from eagle3fn.io.cache import cache_info
+    from eagle3fn.io.fingerprint import short
+
+    i = cache_info(path)
+    fp = i["fingerprint"]
+    print(f"feature cache {path} (format {fp['format']}, {'complete' if i['complete'] else 'UNFINISHED'}): "
+          f"{i['shards']} shards")
+    print(f"conversations {i['conversations']}; real tokens {i['tokens']}; supervised tokens "
+          f"{i['supervised']} ({100 * i['supervised'] / max(i['tokens'], 1):.1f}%); teacher rows "
+          f"{i['teacher_rows']}; padded tokens (format 2) {i['padded_tokens']}")
+    per = i["per_token"]
+    print(f"bytes {i['bytes']} ({i['bytes'] / 2**30:.3f} GiB); per real token {sum(per.values()):.1f}: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+    print(f"storage dtype {i['dtype']}; aux dtype {i['aux_dtype']}; hidden size {i['hidden_size']}; "
+          f"vocab {i['vocab_size']}; aux layer ids {fp.get('aux_layer_ids')}")
+    data = fp.get("data") or {}
+    print(f"fingerprint {short(fp)}; target {short(fp['target']) if 'target' in fp else '-'}; data "
+          f"{data.get('sha256', '-')[:12]} ({data.get('bytes', '-')} bytes); max length {fp.get('max_length')}, "
+          f"batch size {fp.get('batch_size')}, target dtype {fp.get('target_dtype')}")
 
 
 @dataclass(kw_only=True)

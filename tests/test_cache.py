@@ -1,4 +1,5 @@
-"""Offline feature cache: identical to the online features, resumable after a kill."""
+"""Offline feature cache: identical to the online features where it keeps them (aux at
+every real token, final hidden at the teacher positions), resumable after a kill."""
 
 import os
 import pathlib
@@ -10,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3fn.errors import UsageError
-from eagle3fn.io.cache import FeatureCache, bytes_per_token, write_cache
+from eagle3fn.io.cache import FeatureCache, write_cache
+from eagle3fn.io.cache import layout
 from eagle3fn.shapes import Features
 
 AUX = (0, 1, 2)
@@ -51,19 +53,36 @@ def features_fn(model):
 FP = {"target": "tiny-llama", "aux_layer_ids": list(AUX)}
 
 
+def teacher_positions_oracle(loss_mask_S, length):
+    """Brute force (SPEC 1): the teacher of supervised t (m_t = 1, t <= L-2) is z'[t] =
+    z_{t+1}, so the final hidden is read at t + 1."""
+    return {t + 1 for t in range(length - 1) if loss_mask_S[t]}
+
+
 def test_cached_batches_equal_the_online_ones(tmp_path):
     model = tiny_target()
     online = features_fn(model)
     manifest = write_cache(tmp_path, batches(), online, fingerprint=FP, dtype=torch.float32, log=lambda s: None)
-    assert manifest["complete"] and len(manifest["shards"]) == N_BATCHES
+    assert manifest["complete"] and len(manifest["shards"]) == N_BATCHES and manifest["format"] == 3
     cache = FeatureCache(tmp_path)
     assert len(cache) == N_BATCHES
     for batch, cached in zip(batches(), cache):
-        want = online(batch)
-        for field in ("input_ids", "aux", "final_hidden", "target_head"):
-            assert torch.equal(getattr(cached.features, field), getattr(want, field)), field
-        assert torch.equal(cached.features.attention_mask, batch["attention_mask"])
+        want, got = online(batch), cached.features
+        real = batch["attention_mask"].bool()
+        for field in ("input_ids", "target_head"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert torch.equal(got.attention_mask, batch["attention_mask"])
         assert torch.equal(cached.loss_mask, batch["loss_mask"])
+        assert torch.equal(got.aux[real], want.aux[real]) and not got.aux[~real].any()
+        for b, L in enumerate(real.sum(1).tolist()):
+            kept = {p for p in range(got.final_hidden.shape[1]) if got.final_hidden[b, p].any()}
+            assert kept == teacher_positions_oracle(batch["loss_mask"][b], L), b
+            for p in kept:
+                assert torch.equal(got.final_hidden[b, p], want.final_hidden[b, p])
+    # Negative control: the oracle tells the shifted rows from the unshifted ones here.
+    last = list(batches())[-1]
+    unshifted = {t for t in range(9) if last["loss_mask"][0, t]}
+    assert unshifted != teacher_positions_oracle(last["loss_mask"][0], 10)
     # A rank reads only its own shards (here: rank 1 of 2).
     mine = FeatureCache(tmp_path, shards=range(1, N_BATCHES, 2))
     assert len(mine) == 2 and torch.equal(mine[1].features.aux, cache[3].features.aux)
@@ -73,14 +92,20 @@ def test_cached_batches_equal_the_online_ones(tmp_path):
     assert not torch.equal(cache[N_BATCHES - 1].features.aux, shifted)
 
 
-def test_bf16_storage_and_size_estimate(tmp_path):
+def test_bf16_shards_are_ragged_and_their_size_is_computed(tmp_path):
     write_cache(tmp_path, batches(), features_fn(tiny_target()), fingerprint=FP, log=lambda s: None)
     shard = load_file(str(tmp_path / "shard-000000.safetensors"))
-    assert shard["aux"].dtype == torch.bfloat16 and shard["aux"].shape == (2, 10, 96)
-    per_token = bytes_per_token(32)
-    assert per_token == 4 * 32 * 2 + 10
-    payload = sum(t.numel() * t.element_size() for t in shard.values())
-    assert payload == per_token * 2 * 10
+    first = next(batches())
+    N = int(first["attention_mask"].sum())
+    M = sum(len(teacher_positions_oracle(first["loss_mask"][b], L))
+            for b, L in enumerate(first["attention_mask"].sum(1).tolist()))
+    assert N == 17 and shard["aux"].dtype == torch.bfloat16 and shard["aux"].shape == (N, 96)
+    assert shard["final_hidden"].shape == (M, 32) and shard["offsets"].tolist() == [0, 10, 17]
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in shard.items()}
+    assert layout.file_bytes(shapes) - (tmp_path / "shard-000000.safetensors").stat().st_size in range(0, 64)
+    parts = layout.component_bytes(shapes)
+    assert sum(parts.values()) == sum(t.numel() * t.element_size() for t in shard.values())
+    assert parts["aux"] == N * 96 * 2 and parts["final_hidden"] == M * (32 * 2 + 4) + 3 * 8
 
 
 def _killed_run(out_dir):

@@ -166,11 +166,11 @@ def cli_error(capsys, argv, code):
 
 def test_prepare_on_cpu_writes_float32_and_records_the_fingerprint(workdir):
     m = manifest(workdir / "built")
-    assert m["complete"] and m["format"] == 2 and m["dtype"] == "float32"
+    assert m["complete"] and m["format"] == 3 and m["dtype"] == "float32" and m["aux_dtype"] == "storage"
     fp = m["fingerprint"]
     assert fp["target_dtype"] == "float32" and fp["dtype"] == "float32"
     assert set(fp) == {"target", "data", "target_dtype", "max_length", "on_error", "batch_size",
-                       "aux_layer_ids", "dtype", "format"}
+                       "aux_layer_ids", "dtype", "aux_dtype", "format"}
     assert fp["aux_layer_ids"] == [1, 3, 4] and fp["batch_size"] == 2 and fp["max_length"] == 2048
     assert fp["data"] == file_fingerprint(workdir / "chat.jsonl")
     assert fp["target"] == target_fingerprint(workdir / "model")
@@ -283,17 +283,31 @@ def test_bad_manifest_is_named_and_a_rerun_rewrites_the_cache(workdir, cache, ca
 
 
 def test_old_format_cache_is_refused_with_the_rebuild_command(workdir, cache, capsys):
+    """A format-2 cache (padded shards) is refused by the reader, verify, train's checks
+    and prepare, with the command that rebuilds it (its settings from its fingerprint)."""
     m = manifest(cache)
-    (cache / MANIFEST).write_text(json.dumps({"format": 1, "dtype": "float32", "meta": {},
-                                              "shards": m["shards"], "complete": True}))
-    want = (f"{cache} holds a feature cache of format 1, this eagle3fn reads format 2; rebuild it with "
-            f"eagle3fn prepare (delete {cache} first, or prepare into another --out)")
+    fp = {k: v for k, v in m["fingerprint"].items() if k != "aux_dtype"} | {"format": 2}
+    (cache / MANIFEST).write_text(json.dumps({"format": 2, "dtype": "float32", "fingerprint": fp,
+                                              "shards": m["shards"], "head": m["head"], "complete": True}))
+    want = (f"{cache} holds a feature cache of format 2, this eagle3fn reads format 3; rebuild it: delete "
+            f"{cache} (or pick another --out) and run eagle3fn prepare --model.path <target dir> --data.path "
+            f"<chat.jsonl> --out {cache} --batch-size 2 --storage float32 --data.max-length 2048 "
+            "--data.on-error raise --model.dtype float32 --aux-layer-ids 1 3 4")
     with pytest.raises(UsageError) as e:
         FeatureCache(cache)
     assert str(e.value) == want
+    with pytest.raises(UsageError, match="format 2, this eagle3fn reads format 3"):
+        check_cache_for_training(cache, model_dir=workdir / "model")
     _, err = cli_error(capsys, ["prepare", "--model.path", str(workdir / "model"), "--data.path",
                                 str(workdir / "chat.jsonl"), "--out", str(cache), "--batch-size", "2"], 2)
     assert want in err
+    _, err = cli_error(capsys, ["cache", "verify", str(cache)], 2)
+    assert want in err
+    # The command it prints, with the paths filled in, rebuilds the cache.
+    shutil.rmtree(cache)
+    argv = want.split(" and run eagle3fn ")[1].replace("<target dir>", str(workdir / "model"))
+    main(argv.replace("<chat.jsonl>", str(workdir / "chat.jsonl")).split())
+    assert manifest(cache) == manifest(workdir / "built")
 
 
 def test_non_finite_features_are_refused_when_written_and_when_read(workdir, cache, tmp_path, monkeypatch,
@@ -307,7 +321,7 @@ def test_non_finite_features_are_refused_when_written_and_when_read(workdir, cac
         f = real(target, input_ids, attention_mask)
         calls.append(1)
         if len(calls) == 2:
-            f.final_hidden[1, 2, 0] = float("nan")
+            f.final_hidden[1, :, 0] = float("nan")  # conversation 1 of shard 1, its teacher rows too
         return f
     monkeypatch.setattr(eagle3fn.io.target, "target_features", poisoned)
     _, err = cli_error(capsys, ["prepare", "--model.path", str(workdir / "model"), "--data.path",
@@ -319,7 +333,7 @@ def test_non_finite_features_are_refused_when_written_and_when_read(workdir, cac
     assert not (tmp_path / "nan" / SHARD1).exists() and not manifest(tmp_path / "nan")["complete"]
     # A shard that holds a NaN (checksum updated to match) is refused by the reader and verify.
     t = load_file(str(cache / SHARD1))
-    t["aux"][1, 3, 5] = float("inf")
+    t["aux"][int(t["offsets"][1]) + 3, 5] = float("inf")  # conversation 1, position 3
     save_file(t, str(cache / SHARD1))
     m = manifest(cache)
     m["shards"][1].update(file_fingerprint(cache / SHARD1))
@@ -357,7 +371,7 @@ def test_verify_cli_summarizes_a_whole_cache(workdir, capsys):
     main(["cache", "verify", str(built)])
     out = capsys.readouterr().out
     fp = cache_fingerprint(built)
-    assert out.splitlines()[0] == f"feature cache {built} (format 2, complete)"
+    assert out.splitlines()[0] == f"feature cache {built} (format 3, complete)"
     assert out.count(" ok\n") == 4 and "head.safetensors" in out
     assert "shards: 3 ok, 0 broken; conversations 6; tokens " in out
     assert "dtype float32; aux layer ids [1, 3, 4]" in out

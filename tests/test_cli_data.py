@@ -62,8 +62,12 @@ def test_prepare_writes_the_online_features_and_resumes(workdir, capsys):
     for group, cached in zip([examples[:2], examples[2:]], cache):
         batch = collate(group, tok.pad_token_id)
         want = target_features(target, batch["input_ids"], batch["attention_mask"])
-        assert torch.equal(cached.features.aux, want.aux)
-        assert torch.equal(cached.features.final_hidden, want.final_hidden)
+        real = batch["attention_mask"].bool()  # format 3 keeps aux at real tokens only,
+        teach = torch.zeros_like(real)  # the final hidden at t + 1 for supervised t only
+        teach[:, 1:] = batch["loss_mask"][:, :-1] & real[:, 1:]
+        assert torch.equal(cached.features.aux[real], want.aux[real])
+        assert torch.equal(cached.features.final_hidden[teach], want.final_hidden[teach])
+        assert not cached.features.final_hidden[~teach].any() and teach.sum() < real.sum()
         assert torch.equal(cached.loss_mask, batch["loss_mask"])
     main(args)  # a second run finds every shard done
     assert "wrote shard" not in capsys.readouterr().out

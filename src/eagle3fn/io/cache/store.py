@@ -1,0 +1,322 @@
+"""Writing a feature cache: manifest, atomic shards, fingerprints, resume.
+
+Layout of a cache directory (format 3; one shard's tensors in ``layout``)::
+
+    manifest.json                  format, fingerprint, dtypes, sizes, per file bytes + sha256
+    head.safetensors               target_head [V, Ht]
+    shard-000000.safetensors       one batch of conversations, ragged (no padding): ids,
+    shard-000001.safetensors       masks, aux at every real token, final hidden at the
+    ...                            teacher positions only (``layout``)
+
+The manifest's ``fingerprint`` says what the cache was made from, by content (``io.
+fingerprint``: target files, data file, aux layer ids, max length, storage dtypes, ...),
+never by how a path was spelled. Every file is written to a temporary name, checksummed
+and renamed into place, so a killed run leaves only whole shards. ``write_cache`` with
+the same fingerprint resumes: it checks each shard already written (size and sha256),
+rewrites the broken ones and only then marks the cache complete; another fingerprint is
+refused, listing each difference (a cache is never mixed from two configurations).
+A cache of another format is refused with the command that rebuilds it.
+
+Non-finite features are refused when written and when read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle3fn.errors import RunError, UsageError
+from eagle3fn.io.cache import layout
+from eagle3fn.io.fingerprint import diff, file_fingerprint, target_fingerprint
+from eagle3fn.shapes import Features
+
+MANIFEST = "manifest.json"
+HEAD = "head.safetensors"
+FORMAT_VERSION = 3
+"""3: ragged shards, final hidden at teacher positions only, optional fp8 aux (2: padded
+``[B, S]`` shards; 1: spelled paths in the manifest)."""
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUX_DTYPES = ("storage", "float8_e4m3")
+"""``aux_dtype``: the storage dtype, or float8 e4m3 with a per-position, per-layer scale."""
+SHARD_KEYS = set(layout.INDEX_KEYS) | {"aux", "final_hidden"}
+
+
+def _repair(out: Path) -> str:
+    return (f"run eagle3fn cache verify {out}, then rerun eagle3fn prepare with the same settings "
+            "to rewrite the broken shards")
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> dict:
+    """Write, checksum, rename; returns ``{"bytes", "sha256"}`` of the file."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    fingerprint = file_fingerprint(tmp)
+    os.replace(tmp, path)
+    return fingerprint
+
+
+def _atomic_json(obj: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:06d}.safetensors"
+
+
+def _nonfinite_row(x: torch.Tensor) -> int | None:
+    """The first row b of ``x [B, ...]`` holding a NaN or inf, else None."""
+    bad = ~torch.isfinite(x).flatten(1).all(1)
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
+def _file_problem(path: Path, entry: dict) -> str | None:
+    """Why ``path`` is not the file the manifest ``entry`` recorded (None: it is)."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest says {entry['bytes']}"
+    if file_fingerprint(path)["sha256"] != entry["sha256"]:
+        return "checksum differs from the manifest (corrupted or changed on disk)"
+    return None
+
+
+def rebuild_command(path: Path, fingerprint: dict) -> str:
+    """The ``eagle3fn prepare`` command that writes the cache ``fingerprint`` describes
+    into ``path`` (target and data are fingerprinted by content: their paths are left
+    for the user to fill in)."""
+    flags = {"--batch-size": fingerprint.get("batch_size"), "--storage": fingerprint.get("dtype"),
+             "--data.max-length": fingerprint.get("max_length"), "--data.on-error": fingerprint.get("on_error"),
+             "--model.dtype": fingerprint.get("target_dtype"),
+             "--aux-layer-ids": " ".join(map(str, fingerprint.get("aux_layer_ids") or [])) or None}
+    given = "".join(f" {k} {v}" for k, v in flags.items() if v is not None)
+    return f"eagle3fn prepare --model.path <target dir> --data.path <chat.jsonl> --out {path}{given}"
+
+
+def _parse_manifest(path: Path) -> dict | None:
+    """The manifest of a current-format cache; None when unreadable; UsageError when it
+    is of another format."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(manifest, dict) or "format" not in manifest:
+        return None
+    if manifest["format"] != FORMAT_VERSION:
+        raise UsageError(
+            f"{path} holds a feature cache of format {manifest['format']}, this eagle3fn reads "
+            f"format {FORMAT_VERSION}; rebuild it: delete {path} (or pick another --out) and run "
+            f"{rebuild_command(path, manifest.get('fingerprint') or {})}")
+    keys = {"fingerprint", "dtype", "shards", "complete"}
+    if not keys <= manifest.keys() or not all({"name", "bytes", "sha256"} <= s.keys()
+                                               for s in manifest["shards"]):
+        return None
+    return manifest
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> dict:
+    """The manifest of the cache in ``cache_dir``, checked to be readable and current.
+
+    Raises:
+        FileNotFoundError: no manifest (not a feature cache).
+        UsageError: a cache of another format (rebuild it).
+        RunError: the manifest is unreadable.
+    """
+    path = Path(cache_dir)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(
+            f"no {MANIFEST} in {path}: not a feature cache (write one with eagle3fn prepare)")
+    manifest = _parse_manifest(path)
+    if manifest is None:
+        raise RunError(f"{path / MANIFEST} is unreadable (not a manifest written by eagle3fn "
+                       f"prepare); rerun eagle3fn prepare with the same settings and --out {path} "
+                       "to rewrite the cache")
+    return manifest
+
+
+def cache_fingerprint(cache_dir: str | os.PathLike) -> dict:
+    """What the cache was made from, by content: the manifest's ``fingerprint`` (for a
+    cache from ``prepare``: ``target``, ``data``, ``target_dtype``, ``max_length``,
+    ``on_error``, ``batch_size``, ``aux_layer_ids``, ``dtype``, ``format``). No paths."""
+    return read_manifest(cache_dir)["fingerprint"]
+
+
+def check_cache_for_training(cache_dir: str | os.PathLike, *, model_dir: str | os.PathLike,
+                             gguf_file: str | None = None,
+                             aux_layer_ids: Iterable[int] | None = None) -> tuple[int, int, int]:
+    """The cache's aux layer ids, after checking that it was prepared from this target
+    (by content, ``target_fingerprint(model_dir, gguf_file)``) and, when given, these
+    ``aux_layer_ids``.
+
+    Raises:
+        UsageError: another target or other aux layer ids, listing each difference.
+        FileNotFoundError, RunError: as ``read_manifest``.
+    """
+    fp = cache_fingerprint(cache_dir)
+    old = {"target": fp.get("target"), "aux_layer_ids": fp.get("aux_layer_ids")}
+    new = {"target": target_fingerprint(model_dir, gguf_file),
+           "aux_layer_ids": old["aux_layer_ids"] if aux_layer_ids is None else list(aux_layer_ids)}
+    lines = diff(old, new)
+    if lines:
+        raise UsageError(
+            f"--cache {cache_dir} was prepared from another target or other aux layer ids "
+            f"(cache -> this run: {'; '.join(lines)}); train with the --model/--gguf-file it was "
+            "prepared from and without --aux-layer-ids (the cache's are used), or prepare a cache "
+            "for this target")
+    return tuple(old["aux_layer_ids"])
+
+
+def _check_resume(out: Path, old: dict, new: dict) -> None:
+    lines = diff(old, new)
+    if lines:
+        raise UsageError(
+            f"{out} holds a cache written with other settings (old -> new: {'; '.join(lines)}); "
+            f"rerun with the settings it was written with to resume it, or use another --out "
+            f"(or delete {out})")
+
+
+def check_resumable(out_dir: str | os.PathLike, fingerprint: dict) -> None:
+    """Before any heavy work: if ``out_dir`` holds a cache, its fingerprint agrees with
+    ``fingerprint`` on every key ``fingerprint`` has (UsageError listing each difference
+    otherwise; also UsageError for a cache of another format)."""
+    out = Path(out_dir)
+    old = _parse_manifest(out) if (out / MANIFEST).is_file() else None
+    if old is not None:
+        _check_resume(out, {k: old["fingerprint"].get(k) for k in fingerprint}, fingerprint)
+
+
+def write_cache(
+    out_dir: str | os.PathLike,
+    batches: Iterable[dict],
+    features_fn: Callable[[dict], Features],
+    *,
+    fingerprint: dict,
+    dtype: torch.dtype = torch.bfloat16,
+    aux_dtype: str = "storage",
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Write one ragged shard per batch (``layout``); resume where an earlier run stopped.
+
+    Args:
+        out_dir: cache directory (created).
+        batches: dicts with ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, S]``
+            (right-padded as ``io.batching.collate`` gives them, ``S`` the longest
+            conversation) and optionally ``sources`` (B names, e.g. ``file:line``, for
+            messages), in a deterministic order (a resumed run must see the same batches).
+        features_fn: runs the target on a batch, returning ``Features`` with ``aux``
+            ``[B, S, 3*Ht]``, ``final_hidden`` ``[B, S, Ht]`` and ``target_head`` ``[V, Ht]``.
+        fingerprint: JSON-able content identity of the target, data and settings (no
+            spelled paths); ``dtype``, ``aux_dtype`` and ``format`` are added. A resumed
+            run must pass the same, else UsageError listing each difference.
+        dtype: storage dtype of final hidden, head and (``aux_dtype="storage"``) aux.
+        aux_dtype: ``"storage"`` or ``"float8_e4m3"`` (aux as e4m3 with one fp32 scale
+            per position and aux layer: lossy, about half the bytes of bf16).
+
+    Returns:
+        The manifest (also written to ``manifest.json``, ``complete`` set at the end,
+        after every shard was written or checked against its size and sha256).
+
+    Raises:
+        UsageError: ``out_dir`` holds a cache with another fingerprint or format.
+        RunError: the target gave a non-finite feature (names the row and conversation).
+    """
+    if aux_dtype not in AUX_DTYPES:
+        raise UsageError(f"aux_dtype {aux_dtype!r}: pick one of {', '.join(AUX_DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = next(k for k, v in DTYPES.items() if v == dtype)
+    fingerprint = {**fingerprint, "dtype": name, "aux_dtype": aux_dtype, "format": FORMAT_VERSION}
+    manifest = {"format": FORMAT_VERSION, "dtype": name, "aux_dtype": aux_dtype, "fingerprint": fingerprint,
+                "shards": [], "head": None, "complete": False}
+    done = _resume(out, manifest, log)
+    _atomic_json(manifest, out / MANIFEST)  # incomplete, listing only whole files, until the end
+    for i, batch in enumerate(batches):
+        shard = _shard_name(i)
+        if shard in done and manifest["head"] is not None:
+            continue
+        feats = features_fn(batch)
+        tensors = _finite_shard(feats, batch, shard, dtype, aux_dtype)
+        if manifest["head"] is None:
+            head = feats.target_head.to(dtype).cpu()
+            if _nonfinite_row(head) is not None:
+                raise RunError(f"the target's lm_head holds non-finite weights (row "
+                               f"{_nonfinite_row(head)}); check the model files")
+            manifest["head"] = _atomic_save({"target_head": head}, out / HEAD)
+        if shard in done:
+            continue
+        written = _atomic_save(tensors, out / shard)
+        B, S = batch["input_ids"].shape
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+        manifest["shards"].append({"name": shard, "batch": B, "seq_len": S, "pad_id": layout.pad_id(batch),
+                                   "tokens": len(tensors["input_ids"]),
+                                   "teacher_rows": len(tensors["teacher_positions"]),
+                                   "supervised": int(tensors["loss_mask"].sum()),
+                                   "components": layout.component_bytes(shapes), **written})
+        manifest["shards"].sort(key=lambda s: s["name"])
+        manifest.update(hidden_size=feats.final_hidden.shape[-1], vocab_size=feats.target_head.shape[0])
+        _atomic_json(manifest, out / MANIFEST)
+        log(f"wrote {shard} ({B} conversations, {len(tensors['input_ids'])} tokens)")
+    manifest["complete"] = True
+    _atomic_json(manifest, out / MANIFEST)
+    return manifest
+
+
+def _resume(out: Path, manifest: dict, log: Callable[[str], None]) -> set[str]:
+    """The shards of an earlier run in ``out`` that pass their size and sha256 check
+    (listed into ``manifest``, with a head that passes too); UsageError for another
+    fingerprint. Broken files are named and left to be rewritten."""
+    fingerprint = manifest["fingerprint"]
+    done: set[str] = set()
+    if (out / MANIFEST).exists():
+        old = _parse_manifest(out)
+        if old is None:
+            log(f"{out / MANIFEST} is unreadable; rewriting every shard")
+        else:
+            _check_resume(out, old["fingerprint"], fingerprint)
+            if old["shards"]:
+                log(f"checking the {len(old['shards'])} shards already in {out}")
+            for s in old["shards"]:
+                problem = _file_problem(out / s["name"], s)
+                if problem:
+                    log(f"{s['name']}: {problem}; rewriting it")
+                else:
+                    manifest["shards"].append(s)
+                    done.add(s["name"])
+            head = old.get("head")
+            problem = "missing" if head is None else _file_problem(out / HEAD, head)
+            if problem and done:
+                log(f"{HEAD}: {problem}; rewriting it")
+            manifest.update({k: old[k] for k in ("hidden_size", "vocab_size") if k in old},
+                            head=None if problem else head)
+    return done
+
+
+def _finite_shard(feats: Features, batch: dict, shard: str, dtype: torch.dtype,
+                  aux_dtype: str) -> dict[str, torch.Tensor]:
+    """The shard's tensors (``layout.to_ragged``); RunError naming the conversation and
+    row where the target gave a non-finite value at a position the cache keeps."""
+    tensors = layout.to_ragged(batch, feats.aux, feats.final_hidden, dtype=dtype,
+                               aux_fp8=aux_dtype == "float8_e4m3")
+    real = batch["attention_mask"].bool().to(feats.aux.device)
+    stored = {"aux": (feats.aux.detach()[real], tensors["offsets"]),
+              "final_hidden": (tensors["final_hidden"], tensors["teacher_offsets"])}
+    for field, (x, offsets) in stored.items():
+        flat = _nonfinite_row(x.to(dtype) if field == "aux" else x)
+        if flat is not None:
+            row = int(torch.searchsorted(offsets, flat, right=True)) - 1
+            source = batch.get("sources", [None] * (row + 1))[row]
+            what = f"conversation {source} (row {row} of {shard})" if source else f"row {row} of {shard}"
+            raise RunError(
+                f"the target gave non-finite {field} features for {what}; nothing was written "
+                "for it: run the target in float32 (--model.dtype float32) or drop that "
+                "conversation from the data")
+    return tensors
