@@ -29,15 +29,21 @@ tokens ``ids'[t + j]``. ``tests/test_speculative.py`` checks it against ``unroll
 After a round, the accepted positions get step-0 keys from their target aux features
 (the draft's own step keys are dropped), as a serving engine refills its draft cache.
 
-No KV cache anywhere: each round re-runs the target on the whole sequence and the draft's
-step-0 keys on every context row. Exact and simple; meant for small models and CPU tests,
-not for speed.
+Two implementations of the same decoding. ``speculative_generate`` (one prompt, no KV
+cache: each round re-runs the target on the whole sequence and the draft's step-0 keys
+on every context row) is the readable twin. ``generate`` (several prompts per batch, the
+target on a transformers ``DynamicCache`` and the draft on its own key/value cache, both
+rolled back on rejection) is what ``evaluate`` and ``eagle3fn eval`` run, timed against
+the target alone (``target_generate``). Tests hold ``generate`` to ``model.generate`` and
+to ``speculative_generate`` (greedy and sampled, token for token).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -435,6 +441,376 @@ def speculative_generate(target: TargetModel, tokenizer_or_none,
                       per_position_acceptance=per_position, target_forwards=len(accepted) + 1)
 
 
+# ------------------------------------------------------------- cached, batched decoding
+#
+# Legend here: B prompts decoded together (rows; finished ones leave the batch), S cache
+# slots, N tokens in one target forward (the padded prompts, then 1 + k per round).
+#
+# Both caches share one slot layout and one validity mask ``valid [B, S]``: target slot s
+# holds the keys of the token read there, draft slot s the step-0 keys of the context row
+# at that token's position (built from its aux and the next token). Prompts are
+# left-padded (pad slots invalid); every round appends the k + 1 verified slots to both,
+# marks those after the accepted prefix invalid, and crops the slots no row keeps. The
+# explicit position ids carry each row's true positions, so a row's attention and RoPE see
+# exactly its own tokens, as if it were decoded alone.
+
+
+COMPACT_SLACK = 64
+"""Caches are compacted (``_compact``) once they hold more than twice the most valid
+slots of a row plus this many."""
+
+
+class _Draft:
+    """An ``Eagle3Draft`` holding the given tensors (no copy), elementwise chains eager
+    (the batch shapes change as rows finish; compiling would recompile)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
+        with torch.device("meta"):
+            module = Eagle3Draft(cfg, compile_elementwise=False)
+        module.load_state_dict(params, assign=True)
+        self.m, self.cfg = module, cfg
+        self.dtype, self.device = params["fc.weight"].dtype, params["fc.weight"].device
+
+    def _input(self, g_NH: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
+        """``u = [input_layernorm(embed(tokens)) ; hidden_norm(g)]`` ``[..., 2H]``."""
+        layer = self.m.midlayer
+        emb = self.m.embed_tokens(tokens_N).to(g_NH.dtype)
+        return torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_NH)), dim=-1)
+
+    def _heads(self, proj: nn.Linear, u_BN2H: torch.Tensor, n: int,
+               pos_BN: torch.Tensor | None) -> torch.Tensor:
+        """``proj(u)`` as ``[B, n, N, d]``, RoPE at ``pos [B, N]`` unless None."""
+        B, N, _ = u_BN2H.shape
+        d = self.cfg.d
+        x = proj(u_BN2H).view(B, N, n, d).transpose(1, 2)
+        if pos_BN is None:
+            return x
+        cos, sin = rope_cos_sin(pos_BN, self.cfg.rope, d, x.dtype, False)
+        return apply_rope.eager(x, cos[:, None], sin[:, None])
+
+    def context(self, aux_BN3: torch.Tensor, next_BN: torch.Tensor, pos_BN: torch.Tensor,
+                keep_BN: torch.Tensor):
+        """Context rows of one target forward: ``g = fc(a)`` ``[B, N, H]``, the layer
+        input ``u [B, N, 2H]`` with the next tokens, and the step-0 keys and values
+        ``[B, g, N, d]`` (zero where ``keep`` is False, so padding never carries NaN)."""
+        attn = self.m.midlayer.self_attn
+        g = self.m.project(aux_BN3.to(self.dtype))
+        u = self._input(g, next_BN)
+        zero = ~keep_BN[:, None, :, None]
+        keys = self._heads(attn.k_proj, u, self.cfg.num_kv_heads, pos_BN).masked_fill(zero, 0)
+        values = self._heads(attn.v_proj, u, self.cfg.num_kv_heads, None).masked_fill(zero, 0)
+        return g, u, keys, values
+
+    def chain(self, g_BH: torch.Tensor, u_B2H: torch.Tensor, pos_B: torch.Tensor,
+              keys_BgSd: torch.Tensor, values_BgSd: torch.Tensor, valid_BS: torch.Tensor,
+              k: int, choose) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chain unroll of each row's last context row t (features ``g``, input
+        ``u``, position ``pos``) over the cached step-0 keys: ``(tokens [B, k] target
+        ids, probs [B, k, V] fp64 or None)``. Step j's query and own key sit at
+        ``pos + j`` and see every valid cached row plus the row's own keys of steps
+        ``1..j``, as ``_Chain`` (SPEC section 3)."""
+        layer, cfg = self.m.midlayer, self.cfg
+        attn = layer.self_attn
+        own_k, own_v, tokens, probs = [], [], [], []
+        g, u = g_BH[:, None], u_B2H[:, None]
+        for j in range(k):
+            pos = (pos_B + j)[:, None]
+            if j:
+                u = self._input(g, tokens[-1][:, None])
+                own_k.append(self._heads(attn.k_proj, u, cfg.num_kv_heads, pos))
+                own_v.append(self._heads(attn.v_proj, u, cfg.num_kv_heads, None))
+            q = self._heads(attn.q_proj, u, cfg.num_heads, pos)
+            a = _cached_attend(q, keys_BgSd, values_BgSd, valid_BS, own_k, own_v)
+            r = g + attn.o_proj(a)
+            out = r + layer.mlp(layer.post_attention_layernorm(r))
+            token, q_V = choose(self.m.head(out[:, 0]))
+            tokens.append(token)
+            probs.append(q_V)
+            g = out  # the next step's feature: this step's pre-norm output
+        return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+
+def _cached_attend(q_Bh1d: torch.Tensor, k_BgSd: torch.Tensor, v_BgSd: torch.Tensor,
+                   valid_BS: torch.Tensor, own_k: list[torch.Tensor],
+                   own_v: list[torch.Tensor]) -> torch.Tensor:
+    """One query per row over the valid cached keys and the row's own step keys
+    (``own_k``: ``[B, g, 1, d]`` each, always visible): ``[B, 1, h*d]``. Query head i
+    reads kv head ``i // (h / g)`` (grouped, the cache is never repeated); scores in the
+    input dtype times ``1/sqrt(d)``, softmax in fp32 (fp64 for fp64), as ``_attend``."""
+    B, h, _, d = q_Bh1d.shape
+    g = k_BgSd.shape[1]
+    q = q_Bh1d.reshape(B, g, h // g, d)
+    scale = 1.0 / math.sqrt(d)
+    scores = (q @ k_BgSd.transpose(-1, -2)) * scale  # [B, g, h/g, S]
+    scores = scores.masked_fill(~valid_BS[:, None, None, :], float("-inf"))
+    if own_k:
+        scores = torch.cat((scores, (q @ torch.cat(own_k, 2).transpose(-1, -2)) * scale), dim=-1)
+    p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    S = k_BgSd.shape[2]
+    out = p[..., :S] @ v_BgSd
+    if own_v:
+        out = out + p[..., S:] @ torch.cat(own_v, 2)
+    return out.reshape(B, 1, h * d)
+
+
+def _left_pad(prompts: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, ...]:
+    """Prompts ``[L_i]`` left-padded: ids ``[B, L]`` (pad 0), valid ``[B, L]`` bool and
+    positions ``[B, L]`` (0 at each row's first token; pads at 0)."""
+    L = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+    valid = torch.zeros(len(prompts), L, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, L - p.numel():] = p.reshape(-1).to(device)
+        valid[b, L - p.numel():] = True
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp_min(0)
+
+
+def _target_forward(target: TargetModel, ids_BN: torch.Tensor, valid_BS: torch.Tensor,
+                    pos_BN: torch.Tensor, cache, keep: int,
+                    aux: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One cached target forward on ``ids [B, N]`` at positions ``pos``, attending the
+    cache slots and the new ones where ``valid [B, S + N]``: the aux ``[B, N, 3*Ht]`` (the
+    training-time hooks; None when ``aux`` is False) and the logits ``[B, keep, V]`` of
+    the last ``keep`` tokens."""
+    from eagle3fn.io.target import _Capture
+
+    capture = _Capture(len(target.aux_layer_ids))
+    handles = [target.backbone.layers[i + 1].register_forward_pre_hook(
+        functools.partial(capture.stream, slot), with_kwargs=True)
+        for slot, i in enumerate(target.aux_layer_ids)] if aux else []
+    try:
+        out = target.model(input_ids=ids_BN, attention_mask=valid_BS.long(), position_ids=pos_BN,
+                           cache=cache, use_cache=True, logits_to_keep=keep)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return capture.aux, out.logits[:, -keep:]
+
+
+def _crop(cache, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, drop: int):
+    """Remove the last ``drop`` slots (rejected in every row) from both caches."""
+    if drop:
+        cache.crop(-drop)
+        keys, values, valid = keys[:, :, :-drop], values[:, :, :-drop], valid[:, :-drop]
+    return keys, values, valid
+
+
+def _compact(cache, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+    """Both caches with each row's valid slots first, in order, cut to the most valid
+    slots of a row: rejected slots inside the cache (other rows accepted more) stop
+    costing attention. Attention only reads valid slots and the explicit positions, so
+    the order of the slots changes nothing but the summation order."""
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    S = int(valid.sum(1).max())
+    order = order[:, :S]
+
+    def take(x):  # [B, g, S_old, d] -> [B, g, S, d]
+        index = order.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+        return x.gather(2, index)
+
+    for layer in cache.layers:
+        layer.keys, layer.values = take(layer.keys), take(layer.values)
+    return take(keys), take(values), valid.gather(1, order)
+
+
+def _kept(n_B: torch.Tensor, steps_K: torch.Tensor) -> torch.Tensor:
+    """``[B, k+1]``: which verified slots stay (``x_{T-1}``, ``d_1..d_n``); the rest are
+    rolled back (invalid in both caches, cropped where no row keeps them)."""
+    return steps_K[None] <= n_B[:, None]
+
+
+def _picker(temperature: float, generators: list[torch.Generator]):
+    """``pick(logits [B, V], rows) -> [B]``: the target's next token per row (argmax, or
+    a sample of its tempered softmax with row ``rows[b]``'s generator)."""
+    def pick(logits_BV: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if temperature == 0:
+            return logits_BV.argmax(-1)
+        p = torch.softmax(logits_BV.double().cpu() / temperature, dim=-1)
+        return torch.tensor([sample_from(p[b], generators[r]) for b, r in enumerate(rows)],
+                            device=logits_BV.device)
+    return pick
+
+
+def _draft_chooser(d2t: torch.Tensor, vocab_size: int, temperature: float, device,
+                   generators: list[torch.Generator], rows: list[int]):
+    """``choose(logits [B, Vd]) -> (target ids [B], probs [B, V] fp64 or None)``: per
+    row, ``_chooser``'s rule with that row's generator."""
+    target_ids = (d2t.detach().long() + torch.arange(d2t.shape[0], device=d2t.device)).to(device)
+    if temperature == 0:
+        return lambda logits_BVd: (target_ids[logits_BVd.argmax(-1)], None)
+    choosers = [_chooser(d2t, vocab_size, temperature, generators[r]) for r in rows]
+
+    def choose(logits_BVd):
+        picks = [c(z) for c, z in zip(choosers, logits_BVd)]
+        return (torch.tensor([t for t, _ in picks], device=device),
+                torch.stack([q for _, q in picks]))
+    return choose
+
+
+def _verify(logits_BKV: torch.Tensor, tokens_BK: torch.Tensor, probs_BKV: torch.Tensor | None,
+            temperature: float, generators: list[torch.Generator],
+            rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's accepted count ``n [B]`` and next token ``[B]`` (``verify_greedy`` /
+    ``verify_sampled`` per row; greedy stays on the device, no host sync)."""
+    if temperature == 0:
+        best = logits_BKV.argmax(-1)
+        n = (best[:, :-1] == tokens_BK).int().cumprod(1).sum(1)
+        return n, best.gather(1, n[:, None].long())[:, 0]
+    p = torch.softmax(logits_BKV.double().cpu() / temperature, dim=-1)
+    out = [verify_sampled(p[b], probs_BKV[b], tokens_BK[b].cpu(), generators[r])
+           for b, r in enumerate(rows)]
+    return (torch.tensor([n for n, _ in out], device=tokens_BK.device),
+            torch.tensor([t for _, t in out], device=tokens_BK.device))
+
+
+def _prompt_list(prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Prompts ``[L]`` or ``[1, L]`` as ``[L]`` each; ValueError for none, an empty one
+    or another shape."""
+    bad = [p for p in prompts if p.numel() < 1 or not (p.dim() == 1 or p.dim() == 2 and p.shape[0] == 1)]
+    if not prompts or bad:
+        raise ValueError(f"need one or more non-empty prompts [L] or [1, L], got shapes "
+                         f"{[tuple(p.shape) for p in prompts]}")
+    return [p.reshape(-1) for p in prompts]
+
+
+@torch.no_grad()
+def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor],
+             draft_cfg: DraftConfig, d2t: torch.Tensor, prompts: Sequence[torch.Tensor],
+             cfg: SpecConfig) -> list[SpecResult]:
+    """Speculative decoding of several prompts at once, the target and the draft on KV
+    caches (see the section comment): one ``SpecResult`` per prompt, each equal to
+    ``speculative_generate`` of that prompt alone.
+
+    Greedy output equals ``target.model.generate(do_sample=False)`` of each prompt token
+    for token; sampling follows the standard rule with prompt i drawing from its own
+    generator seeded ``cfg.seed + i`` (so it equals ``speculative_generate`` with that
+    seed). Rows accept independently; a row that ends (EOS or ``max_new_tokens``) leaves
+    the batch. One host sync per round (the accepted counts; sampling reads on the host).
+
+    Args:
+        target: from ``io.target.load_target`` (a text model whose forward takes
+            ``past_key_values`` and ``position_ids``).
+        tokenizer_or_none: only read for ``eos_token_id``.
+        draft_params, draft_cfg, d2t: the draft (``init_params`` names, embed included)
+            and its vocab map; any dtype, on any device.
+        prompts: int64 ``[L_i]`` or ``[1, L_i]`` each, of any lengths.
+        cfg: ``SpecConfig``.
+    """
+    from transformers import DynamicCache
+
+    prompts = _prompt_list(prompts)
+    _check_inputs(target, draft_cfg, d2t)
+    k, temperature = cfg.num_draft_tokens, cfg.temperature
+    device = target.lm_head.weight.device
+    eos = _eos_ids(target, tokenizer_or_none)
+    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
+    pick = _picker(temperature, generators)
+    draft = _Draft(draft_params, draft_cfg)
+    rows = list(range(len(prompts)))
+    new: list[list[int]] = [[] for _ in rows]
+    accepted: list[list[int]] = [[] for _ in rows]
+    slots = [p.numel() for p in prompts]  # valid slots of each row
+
+    ids, valid, pos = _left_pad(prompts, device)
+    cache = DynamicCache(config=target.model.config)
+    aux, logits = _target_forward(target, ids, valid, pos, cache, 1)
+    token = pick(logits[:, -1], rows)
+    g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
+                                       pos.to(draft.device), valid.to(draft.device))
+    g_t, u_t, pos_t = g[:, -1], u[:, -1], pos[:, -1]  # each row's last context row t
+    dvalid = valid.to(draft.device)
+    for b, t in enumerate(token.tolist()):
+        new[b].append(t)
+    steps = torch.arange(k + 1, device=device)
+    while True:
+        live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+        if not live:
+            break
+        if len(live) < len(rows):  # finished rows leave both caches
+            index = torch.tensor(live, device=device)
+            dindex = index.to(draft.device)
+            cache.batch_select_indices(index)
+            rows = [rows[i] for i in live]
+            valid, pos_t, token = valid[index], pos_t[index], token[index]
+            keys, values, dvalid = keys[dindex], values[dindex], dvalid[dindex]
+            g_t, u_t = g_t[dindex], u_t[dindex]
+        choose = _draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
+        proposal, probs = draft.chain(g_t, u_t, pos_t.to(draft.device), keys, values, dvalid, k, choose)
+        proposal = proposal.to(device)
+        positions = pos_t[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
+        fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=device)
+        aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
+                                      torch.cat((valid, fresh), 1), positions, cache, k + 1)
+        n, token = _verify(logits, proposal, probs, temperature, generators, rows)
+        kept = _kept(n, steps)
+        nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
+        g, u, new_keys, new_values = draft.context(aux, nxt.to(draft.device), positions.to(draft.device),
+                                                   kept.to(draft.device))
+        keys, values = torch.cat((keys, new_keys), 2), torch.cat((values, new_values), 2)
+        valid, dvalid = torch.cat((valid, kept), 1), torch.cat((dvalid, kept.to(draft.device)), 1)
+        at = n.to(draft.device).long()
+        g_t, u_t = g[torch.arange(len(rows)), at], u[torch.arange(len(rows)), at]
+        pos_t = positions.gather(1, n[:, None].long())[:, 0]
+        host = torch.cat((n[:, None], token[:, None], proposal), 1).tolist()  # the round's sync
+        keys, values, dvalid = _crop(cache, keys, values, dvalid, k - max(h[0] for h in host))
+        valid = valid[:, :dvalid.shape[1]]
+        for r, (count, *_) in zip(rows, host):
+            slots[r] += count + 1
+        if valid.shape[1] > 2 * max(slots[r] for r in rows) + COMPACT_SLACK:  # mostly rolled back
+            keys, values, dvalid = _compact(cache, keys, values, dvalid)
+            valid = dvalid.to(device)
+        for r, (count, t, *drafted) in zip(rows, host):
+            accepted[r].append(count)
+            for x in drafted[:count] + [t]:
+                new[r].append(x)
+                if x in eos or len(new[r]) == cfg.max_new_tokens:
+                    break
+    results = []
+    for r in range(len(prompts)):
+        length, per_position = acceptance_stats(accepted[r], k)
+        results.append(SpecResult(tokens=new[r], accepted_per_round=accepted[r], acceptance_length=length,
+                                  per_position_acceptance=per_position, target_forwards=len(accepted[r]) + 1))
+    return results
+
+
+@torch.no_grad()
+def target_generate(target: TargetModel, tokenizer_or_none, prompts: Sequence[torch.Tensor],
+                    cfg: SpecConfig) -> list[list[int]]:
+    """The target alone, one token per cached forward, batched and stopped as
+    ``generate`` (left padding, explicit positions, rows leaving when done): the new
+    tokens of each prompt. Greedy, or sampling at ``cfg.temperature`` with prompt i's
+    generator seeded ``cfg.seed + i``; the baseline of the speedup, so it runs the
+    same forward as ``generate`` without the aux hooks."""
+    from transformers import DynamicCache
+
+    prompts = _prompt_list(prompts)
+    device = target.lm_head.weight.device
+    eos = _eos_ids(target, tokenizer_or_none)
+    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
+    pick = _picker(cfg.temperature, generators)
+    rows = list(range(len(prompts)))
+    new: list[list[int]] = [[] for _ in rows]
+    ids, valid, pos = _left_pad(prompts, device)
+    cache = DynamicCache(config=target.model.config)
+    _, logits = _target_forward(target, ids, valid, pos, cache, 1, aux=False)
+    pos_t = pos[:, -1]
+    one = torch.ones(len(rows), 1, dtype=torch.bool, device=device)
+    while True:
+        token = pick(logits[:, -1], rows)
+        for r, t in zip(rows, token.tolist()):
+            new[r].append(t)
+        live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+        if not live:
+            return new
+        if len(live) < len(rows):
+            index = torch.tensor(live, device=device)
+            cache.batch_select_indices(index)
+            rows, valid, pos_t, token = [rows[i] for i in live], valid[index], pos_t[index], token[index]
+        pos_t = pos_t + 1
+        valid = torch.cat((valid, one[:len(rows)]), 1)
+        _, logits = _target_forward(target, token[:, None], valid, pos_t[:, None], cache, 1, aux=False)
+
+
 # -------------------------------------------------------------------------- evaluation
 
 
@@ -476,38 +852,64 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
 
 def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_cfg: DraftConfig,
              d2t: torch.Tensor, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *,
-             tokenizer=None) -> dict:
-    """Speculative generation on every prompt, and the training-time tau on its output.
+             tokenizer=None, batch_size: int = 8, baseline: bool = True) -> dict:
+    """Speculative decoding of every prompt (``generate``, ``batch_size`` prompts at a
+    time), timed beside the target alone on the same batches (``target_generate``), and
+    the training-time tau on the speculative output.
 
     Args:
         prompts: int64 ``[L]`` or ``[1, L]`` each.
-        tokenizer: passed to ``speculative_generate`` (EOS ids only).
+        tokenizer: EOS ids only (``generate``).
+        batch_size: prompts decoded together (>= 1).
+        baseline: also time the target alone (the speedup's denominator).
 
     Returns:
         ``acceptance_length`` (mean of ``accepted + 1`` over the rounds of all
         prompts), ``per_position_acceptance`` (k floats, rounds of all prompts pooled),
         ``n_prompts``, ``tokens`` (new tokens, all prompts), ``rounds``,
-        ``target_forwards`` (prefills included), ``simulated_tau`` and ``simulated_acc``
+        ``target_forwards`` (prefills included), ``seconds`` and ``tokens_per_s``
+        (wall clock of the speculative decoding), ``simulated_tau`` and ``simulated_acc``
         (k floats): ``unrolled.ttt``'s tau and per-step acc with ``ttt_length = k`` on the
-        prompts + generated texts (``simulated_tau``).
+        prompts + generated texts (``simulated_tau``). With ``baseline``:
+        ``target_seconds``, ``target_tokens_per_s`` (the target alone, its own tokens),
+        ``speedup`` (tokens/s with the draft over tokens/s alone) and ``same_as_target``
+        (prompts whose two outputs are identical; all of them when greedy, up to
+        argmax near-ties in low precision).
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
-    prompts = [p.reshape(1, -1) for p in prompts]
-    results = [speculative_generate(target, tokenizer, draft_params, draft_cfg, d2t, p, cfg)
-               for p in prompts]
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    prompts = _prompt_list(prompts)
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    device = target.lm_head.weight.device
+
+    def timed(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = [r for batch in batches for r in fn(batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out, time.perf_counter() - t0
+
+    results, seconds = timed(lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t,
+                                                    batch, cfg))
     rounds = [n for r in results for n in r.accepted_per_round]
     length, per_position = acceptance_stats(rounds, cfg.num_draft_tokens)
-    sequences = [torch.cat((p[0], p.new_tensor(r.tokens))) for p, r in zip(prompts, results)]
+    tokens = sum(len(r.tokens) for r in results)
+    out = {"acceptance_length": length, "per_position_acceptance": per_position,
+           "n_prompts": len(prompts), "tokens": tokens, "rounds": len(rounds),
+           "target_forwards": sum(r.target_forwards for r in results),
+           "seconds": seconds, "tokens_per_s": tokens / seconds}
+    if baseline:
+        alone, target_seconds = timed(lambda batch: target_generate(target, tokenizer, batch, cfg))
+        target_tps = sum(map(len, alone)) / target_seconds
+        out.update(target_seconds=target_seconds, target_tokens_per_s=target_tps,
+                   speedup=out["tokens_per_s"] / target_tps,
+                   same_as_target=sum(a == r.tokens for a, r in zip(alone, results)))
+    sequences = [torch.cat((p, p.new_tensor(r.tokens))) for p, r in zip(prompts, results)]
     sim = simulated_tau(target, draft_params, draft_cfg, d2t, sequences,
-                        [p.shape[1] for p in prompts], cfg.num_draft_tokens)
-    return {
-        "acceptance_length": length,
-        "per_position_acceptance": per_position,
-        "n_prompts": len(prompts),
-        "tokens": sum(len(r.tokens) for r in results),
-        "rounds": len(rounds),
-        "target_forwards": sum(r.target_forwards for r in results),
-        "simulated_tau": float(sim.tau),
-        "simulated_acc": [float(a) for a in sim.acc],
-    }
+                        [p.numel() for p in prompts], cfg.num_draft_tokens)
+    out.update(simulated_tau=float(sim.tau), simulated_acc=[float(a) for a in sim.acc])
+    return out

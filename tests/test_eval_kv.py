@@ -1,0 +1,175 @@
+"""KV-cached, batched speculative decoding (``speculative.generate``) and the target-alone
+baseline (``target_generate``), held to independent oracles on tiny fp64 Llama targets:
+
+- greedy, several prompts of different lengths per batch (left padding): each output
+  equals ``model.generate`` of that prompt alone, token for token, with a real draft
+  and with oracle drafts that accept every count per row (rows then finish at
+  different rounds and leave the batch; compaction forced on or left to its rule);
+- sampled: each row equals the uncached one-prompt ``speculative_generate`` (the
+  readable twin) with that row's seed, tokens and accepted counts, with a real draft
+  whose proposals depend on its cache and rows accepting different counts.
+
+Negative controls: a target cache whose rejected slots stay visible, a draft cache
+whose rejected and padding slots stay visible, and compaction that skips the target's
+cache are each caught by the same comparison.
+"""
+
+import random
+
+import pytest
+import torch
+
+import eagle3fn.speculative as spec
+from eagle3fn.speculative import SpecConfig, evaluate, generate, speculative_generate, target_generate
+from test_speculative import V, greedy, make_draft, make_target
+
+PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61], [44, 12])
+NEW = 14
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    """Each prompt's greedy continuation (``model.generate``), k past NEW for oracles."""
+    return [greedy(target, p, NEW + 8) for p in PROMPTS]
+
+
+def prompts():
+    return [torch.tensor(p) for p in PROMPTS]
+
+
+def oracle_chain(monkeypatch, references, corrupt, seed=0):
+    """Replace the draft's proposals by each row's greedy continuation, each token made
+    wrong with probability ``corrupt``: rows accept every count 0..k. The rows of a
+    round are read from the chooser ``generate`` builds just before the chain."""
+    rng = random.Random(seed)
+    seen = {}
+    real_chooser = spec._draft_chooser
+
+    def chooser(d2t, vocab, temperature, device, generators, rows):
+        seen["rows"] = list(rows)
+        return real_chooser(d2t, vocab, temperature, device, generators, rows)
+
+    def chain(self, g, u, pos_B, keys, values, valid, k, choose):
+        out = []
+        for r, pos in zip(seen["rows"], pos_B.tolist()):
+            full = list(PROMPTS[r]) + references[r]
+            tokens = full[pos + 2:pos + 2 + k]  # x_{T-1} sits at pos + 1
+            out.append([(t + 1) % V if rng.random() < corrupt else t for t in tokens])
+        return torch.tensor(out), None
+
+    monkeypatch.setattr(spec, "_draft_chooser", chooser)
+    monkeypatch.setattr(spec._Draft, "chain", chain)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_batched_greedy_equals_generate(target, references, k):
+    params, cfg, d2t = make_draft(target)
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=k, max_new_tokens=NEW))
+    for r, ref in zip(out, references):
+        assert r.tokens == ref[:NEW]
+        assert r.target_forwards == len(r.accepted_per_round) + 1
+    alone = target_generate(target, None, prompts(), SpecConfig(max_new_tokens=NEW))
+    assert alone == [ref[:NEW] for ref in references]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_batched_rollback_every_acceptance_count(target, references, monkeypatch, compact):
+    """Rows accept different counts each round (holes in the shared slot layout), and
+    finish at different rounds; with ``compact`` the caches are compacted every round."""
+    params, cfg, d2t = make_draft(target)
+    oracle_chain(monkeypatch, references, corrupt=0.3)
+    if compact:
+        monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    k = 3
+    run = lambda: generate(target, None, params, cfg, d2t, prompts(),  # noqa: E731
+                           SpecConfig(num_draft_tokens=k, max_new_tokens=NEW))
+    out = run()
+    assert [r.tokens for r in out] == [ref[:NEW] for ref in references]
+    counts = [n for r in out for n in r.accepted_per_round]
+    assert set(counts) == set(range(k + 1))
+    assert len({len(r.accepted_per_round) for r in out}) > 1  # rows left at different rounds
+    # Negative control: rejected slots left visible in the target's cache.
+    monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool))
+    assert [r.tokens for r in run()] != [ref[:NEW] for ref in references]
+
+
+def test_compaction_must_move_both_caches(target, references, monkeypatch):
+    """Negative control of compaction: reordering only the draft's cache is caught."""
+    params, cfg, d2t = make_draft(target)
+    oracle_chain(monkeypatch, references, corrupt=0.3, seed=2)
+    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    real = spec._compact
+
+    def draft_only(cache, keys, values, valid):
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        out = real(cache, keys, values, valid)
+        for layer, (k_, v_) in zip(cache.layers, layers):  # the target's slots left where they were
+            layer.keys, layer.values = k_[:, :, :out[0].shape[2]], v_[:, :, :out[0].shape[2]]
+        return out
+
+    monkeypatch.setattr(spec, "_compact", draft_only)
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW))
+    assert [r.tokens for r in out] != [ref[:NEW] for ref in references]
+
+
+def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch):
+    """Temperature 1.5, a real fp64 draft: every row's tokens and accepted counts equal
+    ``speculative_generate`` of that prompt with seed ``seed + i``. The draft's
+    proposals (its distribution q) read its cache, so a draft cache that keeps
+    rejected or padding slots visible changes the samples (the negative control)."""
+    params, cfg, d2t = make_draft(target, dtype=torch.float64)
+    cfg_ = dict(num_draft_tokens=3, max_new_tokens=20, temperature=1.5)
+    twins = [speculative_generate(target, None, params, cfg, d2t, p[None], SpecConfig(**cfg_, seed=4 + i))
+             for i, p in enumerate(prompts())]
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4))
+    assert [r.tokens for r in out] == [t.tokens for t in twins]
+    assert [r.accepted_per_round for r in out] == [t.accepted_per_round for t in twins]
+    assert len({n for t in twins for n in t.accepted_per_round}) >= 3
+    real = spec._cached_attend
+    monkeypatch.setattr(spec, "_cached_attend",
+                        lambda q, k, v, valid, ok, ov: real(q, k, v, torch.ones_like(valid), ok, ov))
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4))
+    assert [r.tokens for r in out] != [t.tokens for t in twins]
+
+
+def test_batched_eos_rows_leave(target, references):
+    """A row that emits the EOS stops there (kept, as ``generate``) and leaves the batch;
+    the others go on unchanged."""
+    import types
+
+    eos = references[1][4]
+    params, cfg, d2t = make_draft(target)
+    out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts(),
+                   SpecConfig(num_draft_tokens=2, max_new_tokens=NEW))
+    for r, ref in zip(out, references):
+        want = ref[:NEW]
+        assert r.tokens == (want[:want.index(eos) + 1] if eos in want else want)
+    assert len(out[1].tokens) == references[1].index(eos) + 1 < NEW
+
+
+def test_evaluate_reports_speed(target):
+    params, cfg, d2t = make_draft(target)
+    result = evaluate(target, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=2, max_new_tokens=8),
+                      batch_size=3)
+    assert result["n_prompts"] == 4 and result["tokens"] == 4 * 8 and result["same_as_target"] == 4
+    assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"])
+    assert result["speedup"] == pytest.approx(result["tokens_per_s"] / result["target_tokens_per_s"])
+    assert "speedup" not in evaluate(target, params, cfg, d2t, prompts()[:1], SpecConfig(max_new_tokens=2),
+                                     baseline=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        evaluate(target, params, cfg, d2t, prompts(), SpecConfig(), batch_size=0)
+    with pytest.raises(ValueError, match="non-empty prompts"):
+        generate(target, None, params, cfg, d2t, [torch.tensor([], dtype=torch.long)], SpecConfig())
