@@ -56,22 +56,31 @@ def export(args: ExportArgs) -> None:
 
 @dataclass(kw_only=True)
 class EvalArgs:
-    """Acceptance length of a trained draft by real (chain) speculative decoding with its
-    target, beside the training-time simulated tau."""
+    """Acceptance length and wall-clock speedup of a trained draft: KV-cached (chain)
+    speculative decoding with its target, timed beside the target alone (same prompts,
+    batches and settings, same process), with the training-time simulated tau."""
 
     run: str = "runs/eagle3fn"
     """The training run's out_dir."""
-    num_prompts: int = 8
-    """Prompts taken from the run's held-out conversations (the training run's
-    eval_holdout); a run without any takes the last ones of its data, which it
-    trained on (then the result is optimistic, and says so). Asking for more than
-    there are is an error, never a silently smaller set."""
+    prompts: str | None = None
+    """Chat JSONL to take the prompts from (the turns before each conversation's first
+    assistant turn, rendered with the target's chat template); default: the run's
+    held-out conversations (its eval_holdout), or, without any, the last ones of its
+    data, which it trained on (then the result is optimistic, and says so)."""
+    num_prompts: int | None = None
+    """Prompts to evaluate (the first ones of --prompts, else of the held-out set);
+    default: every conversation of --prompts, else 8. Asking for more than there are
+    is an error, never a silently smaller set."""
     num_draft_tokens: int = 6
     """Draft tokens proposed per round (k)."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
     temperature: float = 0.0
     """0 = greedy verification; else the standard rejection rule at this temperature."""
+    batch_size: int = 8
+    """Prompts decoded together (each row accepts on its own)."""
+    baseline: bool = True
+    """Also time the target alone on the same batches (the speedup's denominator)."""
     untrained: bool = False
     """Evaluate the draft the run started from (step 0: its initialisation with the
     run's seed) instead of the trained one: the baseline training is measured against."""
@@ -80,21 +89,46 @@ class EvalArgs:
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} is outside 1..{MAX_DRAFT_TOKENS} "
                              "(draft tokens per round); pass e.g. --num-draft-tokens 6")
-        if self.num_prompts < 1:
+        if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"--num-prompts {self.num_prompts} must be >= 1; pass e.g. --num-prompts 8")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1; pass e.g. "
                              "--max-new-tokens 64")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size {self.batch_size} must be >= 1; pass e.g. --batch-size 8")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature {self.temperature} must be a finite number >= 0 "
                              "(0 = greedy); pass e.g. --temperature 0")
 
 
-def _prompts(run: dict, tok, num_prompts: int) -> tuple[list[torch.Tensor], bool]:
-    """``num_prompts`` prompts ``[1, L]`` and whether they are held out. Raises
-    UsageError when the run has fewer: never evaluates on fewer than asked."""
+def _chat_prompts(path: str, tok, num_prompts: int | None, on_error: str = "raise") -> list[torch.Tensor]:
+    """The first ``num_prompts`` (default all) prompts ``[1, L]`` of a chat JSONL: each
+    conversation's turns before its first assistant turn, rendered with the chat template
+    (generation prompt added). UsageError when the file holds fewer."""
     from eagle3fn.io.data import read_conversations
 
+    conversations, _ = read_conversations(path, on_error=on_error)
+    n = len(conversations) if num_prompts is None else num_prompts
+    if n > len(conversations):
+        raise UsageError(f"--num-prompts {n} but {path} has {len(conversations)} conversations; pass "
+                         f"--num-prompts {len(conversations)} or less")
+    return [_render_prompt(tok, conv) for conv in conversations[:n]]
+
+
+def _render_prompt(tok, conv) -> torch.Tensor:
+    first_answer = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+    text = tok.apply_chat_template(list(conv.messages[:first_answer]), tokenize=False,
+                                   add_generation_prompt=True)
+    return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def _prompts(run: dict, tok, num_prompts: int | None) -> tuple[list[torch.Tensor], bool]:
+    """``num_prompts`` (default 8) prompts ``[1, L]`` of the run and whether they are
+    held out. Raises UsageError when the run has fewer: never evaluates on fewer than
+    asked."""
+    from eagle3fn.io.data import read_conversations
+
+    num_prompts = 8 if num_prompts is None else num_prompts
     held = run["holdout_prompts"]
     if held:
         if num_prompts > len(held):
@@ -105,53 +139,64 @@ def _prompts(run: dict, tok, num_prompts: int) -> tuple[list[torch.Tensor], bool
     cfg = run["config"]
     if not cfg["data"]:
         raise UsageError(f"--num-prompts {num_prompts} but the run has no held-out conversations "
-                         "and no data file (offline); retrain with --eval-holdout N")
+                         "and no data file (offline); retrain with --eval-holdout N, or pass --prompts FILE")
     conversations, _ = read_conversations(cfg["data"], on_error=cfg.get("on_error", "raise"))
     if num_prompts > len(conversations):
         raise UsageError(f"--num-prompts {num_prompts} but the run's data {cfg['data']} has "
                          f"{len(conversations)} conversations; pass --num-prompts "
                          f"{len(conversations)} or less")
-    prompts = []
-    for conv in conversations[-num_prompts:]:
-        first_answer = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
-        text = tok.apply_chat_template(list(conv.messages[:first_answer]), tokenize=False,
-                                       add_generation_prompt=True)
-        prompts.append(tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"])
-    return prompts, False
+    return [_render_prompt(tok, conv) for conv in conversations[-num_prompts:]], False
 
 
 def evaluate(args: EvalArgs) -> dict:
-    """Run ``eagle3fn eval``: print one line and return ``speculative.evaluate``'s dict
+    """Run ``eagle3fn eval``: print two lines and return ``speculative.evaluate``'s dict
     plus ``step`` (the draft's, 0 when untrained) and ``held_out`` (prompts kept out of
-    training)."""
+    training; True for ``--prompts``, which the run did not train on unless it is its
+    data)."""
     from transformers import AutoTokenizer
 
+    from eagle3fn.io.data import check_data_file
     from eagle3fn.io.target import load_target
     from eagle3fn.speculative import SpecConfig, evaluate as run_eval
     from eagle3fn.train.checkpoint import initial_params, load_run
 
+    if args.prompts is not None:
+        check_data_file(args.prompts)
     run = load_run(args.run)
     cfg = run["config"]
     kwargs = _run_target(cfg, weights=True, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(cfg["model"], **kwargs)
-    prompts, held_out = _prompts(run, tok, args.num_prompts)  # before the target loads
+    if args.prompts is not None:  # before the target loads
+        prompts, held_out, source = _chat_prompts(args.prompts, tok, args.num_prompts), True, args.prompts
+    else:
+        prompts, held_out = _prompts(run, tok, args.num_prompts)
+        source = "held-out" if held_out else "trained-on"
     target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], **kwargs)
     trainable = initial_params(run, target) if args.untrained else run["params"]
     params = {**trainable, "embed_tokens.weight": target.embed_tokens.float()}
     if not held_out:
         print(f"note: {args.run} has no held-out conversations (eval_holdout=0), so these prompts "
               "come from the end of its training data and the draft was trained on them; "
-              "train with --eval-holdout N for an honest number")
-    result = run_eval(target, params, run["draft"], run["d2t"], prompts,
-                      SpecConfig(num_draft_tokens=args.num_draft_tokens,
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature),
-                      tokenizer=tok)
+              "train with --eval-holdout N (or pass --prompts FILE) for an honest number")
+    spec_cfg = SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature)
+    result = run_eval(target, params, run["draft"], run["d2t"], prompts, spec_cfg, tokenizer=tok,
+                      batch_size=args.batch_size, baseline=args.baseline)
     step = 0 if args.untrained else run["step"]
     per_pos = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
+    where = f"prompts from {source}" if args.prompts is not None else f"{source} prompts"
     print(f"{'untrained' if args.untrained else 'trained'} draft (step {step}), "
-          f"{len(prompts)} {'held-out' if held_out else 'trained-on'} prompts, {result['tokens']} tokens: "
+          f"{len(prompts)} {where}, {result['tokens']} tokens: "
           f"acceptance length {result['acceptance_length']:.2f} (k={args.num_draft_tokens}), "
           f"per position [{per_pos}], simulated tau {result['simulated_tau']:.2f}")
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    speed = f"speed ({mode}, batches of {args.batch_size}, {target.model.device}): " \
+            f"{result['tokens_per_s']:.1f} tokens/s with the draft"
+    if args.baseline:
+        speed += (f", {result['target_tokens_per_s']:.1f} tokens/s target alone: speedup "
+                  f"{result['speedup']:.2f}x; {result['same_as_target']}/{len(prompts)} outputs identical "
+                  "to the target's own")
+    print(speed)
     return {**result, "step": step, "held_out": held_out}
 
 
@@ -176,11 +221,14 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
     rows.append((f"trained (step {trained['step']})", f"{base} --max-new-tokens {max_new_tokens}", trained))
     kind = "held-out" if trained["held_out"] else "trained-on"
     print(f"\nspeculative decoding on {trained['n_prompts']} {kind} prompts (greedy, "
-          f"k={EvalArgs.num_draft_tokens} draft tokens per round):")
-    print(f"  {'draft':<20} {'new tokens':>12} {'acceptance length':>19} {'simulated tau':>15}   reproduce with")
+          f"k={EvalArgs.num_draft_tokens} draft tokens per round, KV caches, batches of {EvalArgs.batch_size}):")
+    print(f"  {'draft':<20} {'new tokens':>12} {'acceptance length':>19} {'simulated tau':>15} "
+          f"{'tokens/s':>10} {'speedup':>9}   reproduce with")
     for name, command, r in rows:
-        print(f"  {name:<20} {r['tokens']:>12} {r['acceptance_length']:>19.2f} {r['simulated_tau']:>15.2f}   "
-              f"{command}")
+        print(f"  {name:<20} {r['tokens']:>12} {r['acceptance_length']:>19.2f} {r['simulated_tau']:>15.2f} "
+              f"{r['tokens_per_s']:>10.1f} {r['speedup']:>8.2f}x   {command}")
+    print(f"  {'target alone':<20} {'':>12} {1.0:>19.2f} {'':>15} {trained['target_tokens_per_s']:>10.1f} "
+          f"{1.0:>8.2f}x   (timed beside each draft, same batches)")
     if untrained_new_tokens != max_new_tokens:
         print(f"  (the untrained draft generates {untrained_new_tokens} tokens per prompt, not {max_new_tokens}, "
               "to keep the demo short: acceptance length is a mean per round either way)")
