@@ -42,13 +42,13 @@ ROPES = {
 
 
 def make_draft(rope_name="default", fc_norm=False, norm_output=True, seed=0, hidden=32,
-               target_hidden=32, kv_heads=2):
+               target_hidden=32, kv_heads=2, draft_vocab=40):
     cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_heads=4, num_kv_heads=kv_heads,
-                      head_dim=8, vocab_size=96, draft_vocab_size=40,
+                      head_dim=8, vocab_size=96, draft_vocab_size=draft_vocab,
                       target_hidden_size=target_hidden,
                       rope=ROPES[rope_name], fc_norm=fc_norm, norm_output=norm_output)
     g = torch.Generator().manual_seed(seed)
-    d2t, t2d = build_vocab_map(torch.randint(0, 100, (96,), generator=g), 40)
+    d2t, t2d = build_vocab_map(torch.randint(0, 100, (96,), generator=g), draft_vocab)
     target_embed = torch.randn(96, hidden, generator=g)
     params = init_params(cfg, embed_tokens=target_embed, seed=seed)
     with torch.no_grad():  # move norms off 1 and weights off their init scale
@@ -129,7 +129,6 @@ def max_error(ours, theirs):
 
 @pytest.mark.parametrize("rope_name", list(ROPES))
 @pytest.mark.parametrize("fc_norm", [False, True])
-@pytest.mark.filterwarnings("ignore:fc_norm")
 def test_round_trip_fp32(tmp_path, rope_name, fc_norm):
     cfg, params, d2t, t2d, _ = make_draft(rope_name, fc_norm)
     export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX,
@@ -233,16 +232,31 @@ def test_config_defaults_without_target_config(tmp_path):
         assert "fc_norm" not in config and "norm_output" not in config
 
 
-def test_eagle31_toggles_written_and_warned(tmp_path):
-    cfg, params, d2t, t2d, _ = make_draft(fc_norm=True, norm_output=False)
-    with pytest.warns(UserWarning, match="fc_norm"):
-        export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
+def test_fc_norm_written_norm_output_refused(tmp_path):
+    cfg, params, d2t, t2d, _ = make_draft(fc_norm=True)
+    export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
     config = json.loads((tmp_path / CONFIG).read_text())
-    assert config["fc_norm"] is True and config["norm_output"] is False
+    assert config["fc_norm"] is True and "norm_output" not in config
     with safe_open(str(tmp_path / WEIGHTS), framework="pt") as f:
         assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(f.keys())
     _, cfg2, _, _, _ = load_export(tmp_path)
-    assert cfg2.fc_norm and not cfg2.norm_output
+    assert cfg2.fc_norm and cfg2.norm_output
+    cfg, params, d2t, t2d, _ = make_draft(norm_output=False)
+    with pytest.raises(ValueError, match="norm_output=False"):
+        export_draft(tmp_path / "off", params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
+    assert not (tmp_path / "off").exists()
+
+
+def test_full_draft_vocab_writes_no_map(tmp_path):
+    """Vd == V: no d2t / t2d (vLLM has no parameter for d2t then); load_export returns
+    the identity map. Vd < V without them is an error naming the tensor."""
+    cfg, params, d2t, t2d, _ = make_draft(draft_vocab=96)
+    export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
+    with safe_open(str(tmp_path / WEIGHTS), framework="pt") as f:
+        assert not {"d2t", "t2d"} & set(f.keys())
+    _, _, d2t2, t2d2, _ = load_export(tmp_path)
+    assert torch.equal(d2t2, torch.zeros(96, dtype=torch.int64)) and bool(t2d2.all())
+    assert torch.equal(d2t2, d2t) and torch.equal(t2d2, t2d)
 
 
 def test_aux_ids_not_starting_at_one_warn(tmp_path):
@@ -268,9 +282,8 @@ def test_draft_of_another_width_exports_its_embedding(tmp_path):
 
 @pytest.mark.parametrize("rope_name,fc_norm,norm_output,target_hidden", [
     ("default", False, True, 32), ("llama3", False, True, 32), ("yarn", False, True, 32),
-    ("linear", True, False, 32), ("llama3", False, True, 24),
+    ("linear", True, True, 32), ("llama3", False, True, 24),
 ])
-@pytest.mark.filterwarnings("ignore:fc_norm")
 def test_specforge_loads_export_and_matches_logits(tmp_path, rope_name, fc_norm, norm_output,
                                                    target_hidden):
     cfg, params, d2t, t2d, target_embed = make_draft(rope_name, fc_norm, norm_output,

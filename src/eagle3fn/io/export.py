@@ -7,13 +7,18 @@ Layout (docs/export.md gives every key and how each engine reads it)::
 
     config.json          LlamaConfig-style dict: architectures ["LlamaForCausalLMEagle3"],
                          sizes, draft_vocab_size, target_hidden_size, rope fields,
+                         [fc_norm: true],
                          eagle_config.eagle_aux_hidden_state_layer_ids = ids       (SGLang)
                          eagle_aux_hidden_state_layer_ids              = ids + 1   (vLLM)
     model.safetensors    fc, [fc_norm.*], midlayer.*, norm, lm_head in ``dtype``;
-                         d2t int64 [Vd], t2d bool [V]; no embed_tokens (the engines
-                         share the target's) unless H != Ht
+                         d2t int64 [Vd], t2d bool [V] only when Vd < V (vLLM refuses a
+                         d2t when Vd == V); no embed_tokens (the engines share the
+                         target's) unless H != Ht
 
-Both files are written to temporary names and renamed into place.
+Both files are written to temporary names and renamed into place. A draft trained with
+``norm_output=False`` is refused: SGLang and vLLM always norm before lm_head (their
+``norm_output`` key means something else). ``eagle3fn.io.speculators`` writes the
+vllm-project speculators layout instead.
 """
 
 from __future__ import annotations
@@ -126,8 +131,6 @@ def draft_config_dict(cfg: DraftConfig, aux_layer_ids: tuple[int, int, int], *,
     }
     if cfg.fc_norm:
         config["fc_norm"] = True
-    if not cfg.norm_output:
-        config["norm_output"] = False
     return config
 
 
@@ -159,12 +162,16 @@ def export_draft(
         dtype: dtype of the float weights (d2t / t2d keep theirs).
 
     Returns:
-        ``out_dir`` as a Path. Warns (UserWarning) where an engine would silently run
-        something else: fc_norm / norm_output off (neither engine implements them) and
-        aux ids whose first id is not 1 (SGLang versions disagree on their convention).
+        ``out_dir`` as a Path. ``d2t`` / ``t2d`` are written only when Vd < V (with
+        Vd == V the map is the identity, and vLLM's loader has no parameter for a
+        ``d2t`` then). Warns (UserWarning) where an engine would silently run something
+        else: aux ids whose first id is not 1 (SGLang versions disagree on their
+        convention) and RoPE fields the engines lack. Raises ValueError for a draft
+        trained with ``norm_output=False`` (no engine computes it: ``check_servable``).
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+    check_servable(cfg)
     text = _text_config(target_config)
     ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
     tensors = _checked_params(params, cfg, text, d2t, t2d)
@@ -173,8 +180,9 @@ def export_draft(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
-    weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
-    weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
+        weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
     tmp = out / (WEIGHTS + ".tmp")
     save_file(weights, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / WEIGHTS)
@@ -216,15 +224,23 @@ def _checked_params(params: dict[str, torch.Tensor], cfg: DraftConfig, text: dic
     return tensors
 
 
+def check_servable(cfg: DraftConfig) -> None:
+    """Raise ValueError for a draft no serving engine computes as trained: one with
+    ``norm_output=False`` (logits of the un-normed output). SGLang 0.5.23 and vLLM 0.34
+    always apply ``norm`` before ``lm_head``; their ``norm_output`` config key only
+    chooses whether the *next* draft step gets the normed state. RMSNorm divides by
+    the row's RMS, so no weight change folds it away."""
+    if not cfg.norm_output:
+        raise ValueError(
+            "this draft was trained with norm_output=False (no norm before lm_head), which "
+            "SGLang and vLLM cannot run: they always norm before lm_head, and their "
+            "norm_output key means 'feed the normed state to the next step'; train with "
+            "norm_output=True (the default) to serve the draft")
+
+
 def _warn_where_engines_differ(cfg: DraftConfig, ids: tuple[int, int, int]) -> None:
-    """UserWarnings for what an engine would silently run differently: fc_norm /
-    norm_output off, aux ids not starting at 1, RoPE fields the engines lack."""
-    if cfg.fc_norm or not cfg.norm_output:
-        warnings.warn(
-            "fc_norm / norm_output=False are written to config.json, but SGLang's and "
-            "vLLM's llama_eagle3.py implement neither (SGLang drops fc_norm.* weights "
-            "silently, vLLM rejects them); only SpecForge and eagle3fn load this draft "
-            "as trained", UserWarning, stacklevel=3)
+    """UserWarnings for what an engine would silently run differently: aux ids not
+    starting at 1, RoPE fields the engines lack."""
     if ids[0] != 1:
         warnings.warn(
             f"aux_layer_ids={list(ids)} do not start at 1: SGLang before PR #25454 adds 1 "
@@ -254,7 +270,12 @@ def _max_positions(cfg: DraftConfig, text: dict) -> int:
 
 def draft_config_from_dict(config: dict) -> DraftConfig:
     """The DraftConfig of an exported ``config.json`` dict (head_dim and
-    target_hidden_size explicit)."""
+    target_hidden_size explicit). ``norm_output`` is read as SGLang and vLLM read it
+    (absent or false: the next step gets the pre-norm state, eagle3fn's draft; true:
+    the normed state, which eagle3fn does not implement: ValueError)."""
+    if config.get("norm_output"):
+        raise ValueError("norm_output is true (SGLang/vLLM: feed the normed hidden state to "
+                         "the next draft step), which eagle3fn drafts do not implement")
     return DraftConfig(
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -270,7 +291,6 @@ def draft_config_from_dict(config: dict) -> DraftConfig:
                                 config.get("rope_scaling"),
                                 max_position_embeddings=config.get("max_position_embeddings")),
         fc_norm=bool(config.get("fc_norm", False)),
-        norm_output=bool(config.get("norm_output", True)),
     )
 
 
@@ -282,7 +302,8 @@ def load_export(
     ``params`` are the stored tensors (export dtype), without ``embed_tokens.weight``
     unless the export has one (copy the target's: ``init_params(cfg, embed_tokens=...)``
     or ``params[...] = embedding``). ``aux_layer_ids`` are output-of-layer ids
-    (``eagle_config``). Raises FileNotFoundError for a missing directory or file and
+    (``eagle_config``). Without ``d2t`` / ``t2d`` (Vd == V) the identity map is
+    returned. Raises FileNotFoundError for a missing directory or file and
     ValueError, naming the file, for a config or tensor that does not match.
     """
     root = Path(path)
@@ -324,10 +345,15 @@ def load_export(
     except SafetensorError as e:
         raise ValueError(f"{str(weights_path)!r} is not a safetensors file ({e})") from None
     try:
-        for key in ("d2t", "t2d"):
-            if key not in stored:
-                raise ValueError(f"tensor {key!r} is missing")
-        d2t, t2d = stored.pop("d2t").long(), stored.pop("t2d")
+        present = [key for key in ("d2t", "t2d") if key in stored]
+        if not present and cfg.draft_vocab_size == cfg.vocab_size:
+            d2t = torch.zeros(cfg.vocab_size, dtype=torch.int64)  # the identity map
+            t2d = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        else:
+            for key in ("d2t", "t2d"):
+                if key not in stored:
+                    raise ValueError(f"tensor {key!r} is missing")
+            d2t, t2d = stored.pop("d2t").long(), stored.pop("t2d")
         validate_vocab_map(d2t, t2d, vocab_size=cfg.vocab_size,
                            draft_vocab_size=cfg.draft_vocab_size)
         expected = expected_shapes(cfg, with_embedding=EMBEDDING in stored

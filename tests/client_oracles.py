@@ -1,0 +1,231 @@
+"""The serving clients' own EAGLE-3 draft code as test oracles for ``eagle3fn export``.
+
+Each client is *imported* (installed test-only with ``pip install --no-deps``, README's
+test command), never copied; what cannot run on a CPU without its dependency tree is
+replaced here, and only that:
+
+* SGLang 0.5.23 (``sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3`` and its
+  ``load_weights``): modules its import chain names but this code path never calls
+  (web server, GPU kernels, vision) are empty stand-ins during the import only; one
+  rank's parallel groups are published as SGLang's own tests publish them
+  (``sglang.test.parallel_groups``); its ``RadixAttention`` (the paged-KV attention
+  backend) is replaced by ``TTTAttention``, the training-time-test pattern.
+* speculators 0.9.0 (``speculators convert`` and ``Eagle3DraftModel``): its CLI and
+  model import without stand-ins once the few packages its import needs are present
+  (README's test command installs them with ``--no-deps``).
+
+Legend: B batch, S sequence, N = B*S flattened tokens, h heads, g kv heads, d head dim,
+H draft hidden, Ht target hidden, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Top-level modules SGLang's import chain names without the EAGLE-3 draft using them:
+# HTTP/ZMQ serving, notebooks, vision, quantisation and GPU kernel packages.
+SGLANG_STAND_INS = ("IPython", "aiohttp", "compressed_tensors", "sentencepiece", "starlette",
+                    "torchvision", "tvm_ffi", "zmq")
+
+
+class _StandIn(types.ModuleType):
+    """An absent module: every attribute is a ``_Nothing`` (classes may subclass it)."""
+
+    __path__: list = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Nothing()
+
+
+class _Nothing:
+    def __call__(self, *args, **kwargs):
+        # Used as a decorator (``@x`` / ``@x(...)``) it returns the decorated function.
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _Nothing()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Nothing()
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+    def __iter__(self):
+        return iter(())
+
+    def __bool__(self):
+        return False
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots):
+        self.roots = set(roots)
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+_SGLANG = None
+
+
+def sglang_eagle3():
+    """SGLang's ``llama_eagle3`` module, importable on CPU (skips when SGLang is absent).
+
+    The stand-ins are visible only while SGLang imports: afterwards ``find_spec`` of
+    those names answers as before (transformers' availability checks stay true)."""
+    global _SGLANG
+    if _SGLANG is not None:
+        return _SGLANG
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (README's test command installs 0.5.23)")
+    roots = [r for r in SGLANG_STAND_INS if importlib.util.find_spec(r) is None]
+    # transformers decides what is installed at its first import of these modules.
+    import transformers.models.auto.processing_auto  # noqa: F401
+
+    finder = _StandInFinder(roots)
+    sys.meta_path.append(finder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module("sglang.srt.models.llama_eagle3")
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
+            del sys.modules[name]
+    # Its CPU-engine flag would route RoPE and norms to sgl_kernel's CPU ops; the
+    # native torch path is what a CPU check can run (the rotary base class reads it).
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
+
+    rotary_base._is_cpu = True
+    _SGLANG = module
+    return module
+
+
+class TTTAttention(nn.Module):
+    """Stands in for SGLang's ``RadixAttention``: the training-time-test pattern.
+
+    Step ``j`` (the ``j``-th call) of query row ``t`` attends to the step-0 keys of its
+    sequence at ``u <= t`` that are real tokens, and to its own row's keys of steps
+    ``1..j`` (the diagonal), as eagle3fn and SpecForge train. Inputs are SGLang's
+    flattened ``q [N, h*d]``, ``k, v [N, g*d]``; output ``[N, h*d]``.
+    """
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 attention_mask: torch.Tensor) -> None:
+        super().__init__()
+        self.h, self.g, self.d, self.scaling = num_heads, num_kv_heads, head_dim, scaling
+        self.valid = attention_mask.bool()  # [B, S]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, forward_batch=None, **kwargs):
+        B, S = self.valid.shape
+        q = q.view(B, S, self.h, self.d).transpose(1, 2)                     # [B, h, S, d]
+        rep = self.h // self.g
+        k = k.view(B, S, self.g, self.d).transpose(1, 2).repeat_interleave(rep, 1)
+        v = v.view(B, S, self.g, self.d).transpose(1, 2).repeat_interleave(rep, 1)
+        self.keys.append(k)
+        self.values.append(v)
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        allowed = causal[None, None] & self.valid[:, None, None, :]        # [B, 1, S, S]
+        scores = (q @ self.keys[0].transpose(-1, -2)) * self.scaling
+        scores = [scores.masked_fill(~allowed, float("-inf"))]
+        scores += [(q * key).sum(-1, keepdim=True) * self.scaling for key in self.keys[1:]]
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out = probs[..., :S] @ self.values[0]
+        for i, value in enumerate(self.values[1:]):
+            out = out + probs[..., S + i:S + i + 1] * value
+        return out.transpose(1, 2).reshape(B * S, self.h * self.d)
+
+
+def _publish_one_rank() -> None:
+    """One rank's config and groups, as SGLang's own layer tests publish them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, reset_context
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.parallel_groups import publish
+
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(pp_group=SimpleNamespace(
+        world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True))
+
+
+def sglang_draft(export_dir: Path, target_embed: torch.Tensor):
+    """SGLang's ``LlamaForCausalLMEagle3`` built from the export's ``config.json``
+    (``AutoConfig``, as SGLang reads a draft), weights fed through its own
+    ``load_weights`` from ``model.safetensors``, and the target's embedding ``[V, Ht]``
+    handed over by its ``set_embed`` (what SGLang's EAGLE worker does; a draft of another
+    width keeps its own). fp32, eval mode."""
+    module = sglang_eagle3()
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(export_dir))
+    _publish_one_rank()
+    with torch.device("cpu"):
+        model = module.LlamaForCausalLMEagle3(config)
+    with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
+        model.load_weights((k, f.get_tensor(k)) for k in f.keys())
+    model.set_embed(nn.Parameter(target_embed.clone(), requires_grad=False))
+    return model.float().eval()
+
+
+def sglang_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
+                      attention_mask: torch.Tensor, ttt_length: int) -> list[torch.Tensor]:
+    """``ttt_length`` per-step draft logits ``[B, S, Vd]`` from SGLang's ``LlamaModel``
+    forward (fc, fc_norm, decoder layer, norm) and ``lm_head``, driven as EAGLE-3 is
+    trained: step 0 takes the aux features ``[B, S, 3*Ht]``, step ``j + 1`` the hidden
+    state SGLang hands to the next draft step (its ``aux`` output), token ids shifted
+    left once per step, step ``j`` at positions ``j..S-1+j`` (the draft token of step
+    ``j`` sits ``j`` places after its row's token, as in serving)."""
+    from types import SimpleNamespace
+
+    B, S = input_ids.shape
+    layer = model.model.layers[0].self_attn
+    attn = TTTAttention(num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                        head_dim=layer.head_dim, scaling=layer.scaling,
+                        attention_mask=attention_mask)
+    original, layer.attn = layer.attn, attn
+    mode = SimpleNamespace(is_extend=lambda: False, is_draft_extend_v2=lambda: False)
+    spec = SimpleNamespace(hidden_states=aux.reshape(B * S, -1))
+    batch = SimpleNamespace(forward_mode=mode, spec_info=spec, mm_input_embeds=None,
+                            contains_mm_inputs=lambda: False)
+    positions = torch.arange(S).repeat(B)
+    ids = input_ids
+    vd = model.config.draft_vocab_size
+    logits = []
+    try:
+        with torch.no_grad():
+            for j in range(ttt_length):
+                ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+                normed, (aux_out,) = model.model(ids.reshape(-1), positions + j, batch)
+                # ParallelLMHead pads its rows to a multiple of 64; the first Vd are the head.
+                logits.append((normed @ model.lm_head.weight[:vd].T).view(B, S, vd))
+                spec.hidden_states = aux_out
+    finally:
+        layer.attn = original
+    return logits

@@ -1,0 +1,141 @@
+"""The serving clients' own code loads ``eagle3fn export`` and computes eagle3fn's draft.
+
+SGLang 0.5.23's ``LlamaForCausalLMEagle3`` (config through ``AutoConfig``, weights
+through its ``load_weights``, the target's embedding through ``set_embed``; only its
+paged attention replaced by the training-time-test pattern, ``client_oracles``) gives
+the per-step draft logits of eagle3fn's draft loaded back with ``load_export``, fp32,
+within 1e-5, for every draft variant; each variant's negative control is a broken
+export (weight, config field or vocab map) that the same comparison catches.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3fn.io.export import CONFIG, WEIGHTS, export_draft, load_export
+from test_export import AUX, TARGET, B, K, S, eagle3fn_logits, make_draft, make_features, max_error
+
+TOL = 1e-5
+# variant -> make_draft arguments
+VARIANTS = {
+    "default": {},
+    "llama3": {"rope_name": "llama3"},
+    "yarn": {"rope_name": "yarn"},
+    "fc_norm": {"fc_norm": True},
+    "vocab_full": {"draft_vocab": 96},           # Vd == V: no d2t / t2d written
+    "vocab_subset": {"draft_vocab": 40},         # Vd < V: d2t / t2d written
+    "width": {"target_hidden": 24},              # H != Ht: the draft ships its embedding
+}
+
+
+def _export(tmp_path, variant):
+    args = VARIANTS[variant]
+    cfg, params, d2t, t2d, target_embed = make_draft(**args)
+    target_hidden = args.get("target_hidden", 32)
+    export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX,
+                 target_config={**TARGET, "hidden_size": target_hidden}, dtype=torch.float32)
+    return cfg, t2d, target_embed, make_features(target_hidden)
+
+
+def _ours(export_dir, target_embed, features):
+    """eagle3fn's draft as ``load_export`` reads the directory back."""
+    loaded, cfg, d2t, t2d, _ = load_export(export_dir)
+    params = {"embed_tokens.weight": target_embed, **loaded} if "embed_tokens.weight" not in loaded \
+        else loaded
+    return eagle3fn_logits(cfg, params, features), d2t, t2d
+
+
+def _sglang(export_dir, target_embed, features):
+    oracles = pytest.importorskip("client_oracles")
+    model = oracles.sglang_draft(export_dir, target_embed)
+    logits = oracles.sglang_ttt_logits(model, features.input_ids, features.aux,
+                                       features.attention_mask, K)
+    return logits, model
+
+
+def _edit(export_dir, *, config=None, tensors=None):
+    """Rewrite the export: ``config`` keys set (None deletes), ``tensors`` edited."""
+    if config:
+        path = export_dir / CONFIG
+        data = json.loads(path.read_text())
+        for key, value in config.items():
+            data.pop(key, None) if value is None else data.__setitem__(key, value)
+        path.write_text(json.dumps(data))
+    if tensors:
+        with safe_open(str(export_dir / WEIGHTS), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        tensors(state)
+        save_file(state, str(export_dir / WEIGHTS))
+
+
+def _shift(name):
+    def edit(state):
+        state[name] = state[name].roll(1, dims=0)
+    return edit
+
+
+# The broken export each variant's comparison must catch.
+CONTROLS = {
+    "default": {"tensors": _shift("midlayer.mlp.down_proj.weight")},
+    "llama3": {"config": {"rope_scaling": None}},
+    "yarn": {"config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                         "original_max_position_embeddings": 16}}},
+    "fc_norm": {"config": {"fc_norm": None}},   # SGLang then skips the fc_norm weights
+    "vocab_full": {"tensors": _shift("norm.weight")},
+    "vocab_subset": {"tensors": _shift("lm_head.weight")},
+    "width": {"tensors": lambda state: state.__setitem__(
+        "embed_tokens.weight", torch.randn_like(state["embed_tokens.weight"]))},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sglang_computes_our_draft(tmp_path, variant):
+    cfg, t2d, target_embed, features = _export(tmp_path, variant)
+    with safe_open(str(tmp_path / WEIGHTS), framework="pt") as f:
+        assert ("d2t" in f.keys()) == ("t2d" in f.keys()) == (cfg.draft_vocab_size < 96)
+    ours, _, t2d_back = _ours(tmp_path, target_embed, features)
+    theirs, model = _sglang(tmp_path, target_embed, features)
+    assert [t.shape for t in theirs] == [(B, S, cfg.draft_vocab_size)] * K
+    assert max_error(ours, theirs) <= TOL
+    # SGLang's draft-to-target ids are the target ids t2d selects, in order (or none).
+    hot = model.get_hot_token_id()
+    if cfg.draft_vocab_size < 96:
+        assert torch.equal(hot, t2d.nonzero().flatten())
+    else:
+        assert hot is None and torch.equal(t2d_back, torch.ones(96, dtype=torch.bool))
+    # Negative control: the same comparison catches this variant's broken export.
+    _edit(tmp_path, **CONTROLS[variant])
+    broken, _ = _sglang(tmp_path, target_embed, features)
+    assert max_error(ours, broken) > 1e-3
+
+
+def test_sglang_vocab_map_control(tmp_path):
+    """A d2t shifted by one draft id gives SGLang other target ids (caught)."""
+    cfg, t2d, target_embed, _ = _export(tmp_path, "vocab_subset")
+    _edit(tmp_path, tensors=lambda s: s.__setitem__("d2t", s["d2t"].roll(1)))
+    _, model = _sglang(tmp_path, target_embed, make_features())
+    assert not torch.equal(model.get_hot_token_id(), t2d.nonzero().flatten())
+
+
+def test_norm_output_false_is_refused_because_sglang_computes_otherwise(tmp_path):
+    """A norm_output=False draft (logits of the un-normed output) is refused in one line;
+    SGLang's own norm_output key (written as the old export did) runs another draft."""
+    cfg, params, d2t, t2d, target_embed = make_draft(norm_output=False)
+    with pytest.raises(ValueError, match="norm_output=False .* SGLang and vLLM cannot run"):
+        export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
+    assert not any(tmp_path.iterdir())
+    features = make_features()
+    ours = eagle3fn_logits(cfg, params, features)
+    export_draft(tmp_path, params, dataclasses.replace(cfg, norm_output=True), d2t=d2t,
+                 t2d=t2d, aux_layer_ids=AUX, dtype=torch.float32)
+    for value in (False, True):
+        _edit(tmp_path, config={"norm_output": value})
+        theirs, _ = _sglang(tmp_path, target_embed, features)
+        assert max_error(ours, theirs) > 1e-2
+    # The normed-state variant SGLang's key selects is refused on load, not misread.
+    with pytest.raises(ValueError, match="norm_output is true"):
+        load_export(tmp_path)
