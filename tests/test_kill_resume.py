@@ -1,4 +1,5 @@
-"""A training process killed with SIGKILL mid-run resumes to the same weights and curve."""
+"""A training process killed with SIGKILL mid-run resumes to the same weights and curve,
+online and from the offline feature cache."""
 
 import os
 import signal
@@ -6,8 +7,9 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
-from recorders import save_tiny_target, write_tiny_chat
+from recorders import prepare_cache, save_tiny_target, write_tiny_chat
 
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train import CHECKPOINT, METRICS, train
@@ -17,11 +19,16 @@ SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_
                 trim_loss_positions=True)
 
 
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("source", ["online", "cache"])
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, source, monkeypatch):
     save_tiny_target(tmp_path / "model")
     write_tiny_chat(tmp_path / "chat.jsonl", 24)
     total = 2 * 24
     data = dict(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"))
+    if source == "cache":  # one conversation per shard, bf16 on disk: a micro-batch per shard
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        prepare_cache(tmp_path, tmp_path / "cache", "--batch-size", "1", storage="bfloat16")
+        data = dict(model=str(tmp_path / "model"), cache=str(tmp_path / "cache"))
     killed = tmp_path / "killed"
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in {**data, **SETTINGS}.items()]
     cmd = [sys.executable, "-m", "eagle3fn.cli", "train", *flags, f"--out-dir={killed}"]
