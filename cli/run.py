@@ -25,6 +25,9 @@ class ExportArgs:
     """Export directory (config.json, model.safetensors)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Weights dtype in the export."""
+    best: bool = False
+    """Export checkpoint-best.pt (the step with the highest held-out acceptance length,
+    written when training measures it) instead of the last checkpoint."""
 
 
 def _run_target(cfg: dict, *, weights: bool, tokenizer: bool) -> dict:
@@ -42,7 +45,7 @@ def export(args: ExportArgs) -> None:
     from eagle3fn.io.export import export_draft
     from eagle3fn.train.checkpoint import load_run
 
-    run = load_run(args.run)
+    run = load_run(args.run, best=args.best)
     cfg = run["config"]
     target_config = None
     if cfg.get("model"):  # only the config is read: the target's weights may be elsewhere
@@ -51,7 +54,9 @@ def export(args: ExportArgs) -> None:
     path = export_draft(args.out, run["params"], run["draft"], d2t=run["d2t"], t2d=run["t2d"],
                         aux_layer_ids=run["aux_layer_ids"], target_config=target_config,
                         dtype=getattr(torch, args.dtype))
-    print(f"exported step {run['step']} of {args.run} to {path}")
+    best = (f" (best acceptance length {run['best']['acceptance_length']:.2f})"
+            if args.best and run["best"] else "")
+    print(f"exported step {run['step']} of {args.run}{best} to {path}")
 
 
 @dataclass(kw_only=True)

@@ -176,23 +176,24 @@ class Run:
             return current
         return {n: p.to(self.precision) for n, p in current.items()}
 
-    def save(self) -> None:
+    def save(self, path: Path | None = None, **extra) -> None:
         """Write the checkpoint (every rank joins the gathers; rank 0 writes a
-        layout-free file)."""
+        layout-free file); to ``path`` with ``extra`` fields instead (checkpoint-best.pt)."""
         if self.layout:
             weights, opt_state = full(self.trainable), full_optimizer_state(self.opt)
             if not is_main():
                 return
         else:
             weights, opt_state = self.trainable, self.opt.state_dict()
-        save_checkpoint(self.checkpoint, {
+        save_checkpoint(path or self.checkpoint, {
             "params": {n: p.detach().cpu() for n, p in weights.items()}, "optimizer": opt_state,
             "step": self.step, "epoch": self.epoch, "pos": self.pos, "rng": torch.get_rng_state(),
             "config": dataclasses.asdict(self.cfg), "draft": dataclasses.asdict(self.draft_cfg),
             "aux_layer_ids": list(self.target.aux_layer_ids),
             "holdout_prompts": [prompt_of(e) for e in self.held], "fingerprint": self.fingerprint,
-            "nonfinite_skipped": self.skipped})
-        self.saved_step = self.step
+            "nonfinite_skipped": self.skipped, **extra})
+        if path is None:
+            self.saved_step = self.step
 
 
 def _parallel(cfg: TrainConfig, device: torch.device) -> tuple[Layout | None, torch.device]:

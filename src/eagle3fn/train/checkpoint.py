@@ -27,9 +27,13 @@ from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.errors import RunError
 
 CHECKPOINT = "checkpoint.pt"
+BEST = "checkpoint-best.pt"
+"""The checkpoint of the evaluation with the highest acceptance length so far (a whole
+checkpoint, with ``best = {"step", "acceptance_length"}``)."""
 # Settings that do not change what is trained: where output goes, how often it is
 # written, and spellings replaced in the fingerprint by what they resolve to.
-_NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "tensorboard", "preset",
+_NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "eval_accept_prompts",
+                   "eval_accept_tokens", "tensorboard", "preset",
                    "model", "gguf_file", "data", "cache", "vocab_map", "device", "trim",
                    "trim_loss_positions", "parallel", "max_steps")
 # max_steps may change on resume (train a run further, or stop it earlier): it is kept
@@ -155,25 +159,42 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
                            "configuration changed since this checkpoint: use another --out-dir")
 
 
-def load_run(out_dir: str | os.PathLike) -> dict:
+def best_record(out: Path, step: int, fingerprint: dict) -> dict | None:
+    """The ``best`` record (``{"step", "acceptance_length"}``) of ``out``'s
+    checkpoint-best.pt when it belongs to this run (same fingerprint) and is not newer
+    than ``step`` (the checkpoint being resumed); None otherwise, and for a fresh run."""
+    path = out / BEST
+    if not path.exists():
+        return None
+    state = read_checkpoint(path)
+    same = _jsonable(state["fingerprint"]) == _jsonable(fingerprint)
+    return state.get("best") if same and state["step"] <= step else None
+
+
+def load_run(out_dir: str | os.PathLike, *, best: bool = False) -> dict:
     """A finished (or interrupted) run: ``params`` (trainable, fp32, by name),
     ``draft`` (DraftConfig), ``d2t``/``t2d``, ``config`` (TrainConfig fields),
-    ``aux_layer_ids``, ``step`` and ``holdout_prompts`` (token id lists, one per
-    held-out conversation; empty without --eval-holdout). RunError for a checkpoint
-    that cannot be used (``read_checkpoint``)."""
+    ``aux_layer_ids``, ``step``, ``holdout_prompts`` (token id lists, one per
+    held-out conversation; empty without --eval-holdout) and ``best`` (the acceptance
+    record, or None). ``best=True`` reads checkpoint-best.pt instead of the last
+    checkpoint. RunError for a checkpoint that cannot be used (``read_checkpoint``)."""
     from eagle3fn.io.vocab_io import load_vocab_map
 
     out = Path(out_dir)
     if not (out / CHECKPOINT).exists():
         raise FileNotFoundError(f"no {CHECKPOINT} in {out}: train first (eagle3fn train --out-dir {out})")
-    state = read_checkpoint(out / CHECKPOINT)
+    if best and not (out / BEST).exists():
+        raise FileNotFoundError(f"no {BEST} in {out}: it is written when training measures the acceptance "
+                                "length (--eval-holdout N, --eval-accept-prompts > 0); drop --best to use "
+                                f"the last checkpoint, {out / CHECKPOINT}")
+    state = read_checkpoint(out / (BEST if best else CHECKPOINT))
     draft = dict(state["draft"])
     draft_cfg = DraftConfig(**{**draft, "rope": RopeConfig(**draft["rope"])})
     d2t, t2d = load_vocab_map(out / "vocab.safetensors", vocab_size=draft_cfg.vocab_size,
                               draft_vocab_size=draft_cfg.draft_vocab_size)
     return {"params": state["params"], "draft": draft_cfg, "d2t": d2t, "t2d": t2d,
             "config": state["config"], "aux_layer_ids": tuple(state["aux_layer_ids"]),
-            "step": state["step"], "holdout_prompts": state["holdout_prompts"]}
+            "step": state["step"], "holdout_prompts": state["holdout_prompts"], "best": state.get("best")}
 
 
 def initial_params(run: dict, target) -> dict[str, torch.Tensor]:

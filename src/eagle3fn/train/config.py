@@ -202,6 +202,14 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on the held-out conversations every N optimizer steps (0: only at the
     end); needs --eval-holdout."""
+    eval_accept_prompts: int = 4
+    """At each evaluation also decode the first min(N, --eval-holdout) held-out prompts
+    by greedy speculative decoding (KV-cached, one batch, --ttt-length draft tokens per
+    round) and record their acceptance length in metrics.jsonl; the best one so far
+    keeps its checkpoint as checkpoint-best.pt (``eagle3fn export`` exports it with its
+    best flag). 0: off."""
+    eval_accept_tokens: int = 32
+    """New tokens per prompt in that decoding (>= 1)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Sequence parallelism under ``torchrun`` (data parallelism takes the remaining
     ranks): see docs/tutorials/sequence-parallel.md."""
@@ -244,6 +252,10 @@ class TrainConfig:
         if self.eval_holdout < 0 or self.eval_every < 0:
             raise ValueError(f"--eval-holdout {self.eval_holdout} and --eval-every {self.eval_every} "
                              "must be >= 0")
+        if self.eval_accept_prompts < 0 or self.eval_accept_tokens < 1:
+            raise ValueError(f"--eval-accept-prompts {self.eval_accept_prompts} must be >= 0 (0: off) and "
+                             f"--eval-accept-tokens {self.eval_accept_tokens} >= 1; e.g. "
+                             "--eval-accept-prompts 4 --eval-accept-tokens 32")
         if self.eval_every and not self.eval_holdout:
             raise ValueError(f"--eval-every {self.eval_every} needs held-out conversations: "
                              "add --eval-holdout N (e.g. 8)")

@@ -1,4 +1,6 @@
-"""The training objective on the held-out conversations (no grad), pooled over batches."""
+"""On the held-out conversations, with no grad: the training objective pooled over
+batches (``evaluate_holdout``), and the acceptance length of real speculative decoding
+of their prompts (``holdout_acceptance``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 from eagle3fn.align import supervised_mask
 from eagle3fn.parallel import Layout, all_reduce, collectives, shard_sequence
 from eagle3fn.rowmap import build_rowmap
+from eagle3fn.speculative import SpecConfig, acceptance_stats, generate
 from eagle3fn.train.sources import Source
 from eagle3fn.unrolled import TTTConfig, ttt
 
@@ -54,3 +57,24 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
     as_list = lambda t: [round(float(x), 6) for x in t]  # noqa: E731
     return {"loss": loss / weight, "kl": as_list(kl / weight), "acc": as_list(acc),
             "accept": as_list(accept), "tau": float(1 + torch.cumprod(acc, 0).sum())}
+
+
+@torch.no_grad()
+def holdout_acceptance(target, params: dict[str, torch.Tensor], draft_cfg, d2t: torch.Tensor,
+                       prompts: list[list[int]], *, num_draft_tokens: int, max_new_tokens: int) -> dict:
+    """Acceptance length of greedy speculative decoding (``speculative.generate``, KV
+    caches, all prompts in one batch) of ``prompts`` (token id lists) with the draft
+    ``params`` (the whole dict, embedding included) and the target.
+
+    Returns ``acceptance_length`` (mean of ``accepted + 1`` over every round of every
+    prompt), ``per_position_acceptance`` (``num_draft_tokens`` floats) and
+    ``accept_tokens`` (new tokens decoded).
+    """
+    device = target.lm_head.weight.device
+    results = generate(target, None, params, draft_cfg, d2t,
+                       [torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
+                       SpecConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens))
+    length, per_position = acceptance_stats([n for r in results for n in r.accepted_per_round],
+                                            num_draft_tokens)
+    return {"acceptance_length": length, "per_position_acceptance": [round(a, 6) for a in per_position],
+            "accept_tokens": sum(len(r.tokens) for r in results)}

@@ -8,9 +8,11 @@ evaluation on the held-out conversations, ``metrics.py``), TensorBoard scalars w
 ``tensorboard``, and ``loss.png`` (``plot.plot_metrics``) in ``out_dir``.
 
 ``eval_holdout`` conversations at the end of the data never train; the training
-objective runs on them with no grad every ``eval_every`` steps and at the end, and
-their prompts (the tokens before the first supervised one) are saved with the
-checkpoint for ``eagle3fn eval``. Checkpoints hold the masters, the optimizer, the
+objective runs on them with no grad every ``eval_every`` steps and at the end, the
+first ``eval_accept_prompts`` of their prompts (the tokens before the first supervised
+one) are decoded by speculative decoding for the acceptance length, whose best value
+so far keeps ``checkpoint-best.pt`` beside the last checkpoint (its record survives a
+resume), and the prompts are saved with the checkpoint for ``eagle3fn eval``. Checkpoints hold the masters, the optimizer, the
 step, the data position, the RNG state and the run fingerprint; ``train`` resumes from
 the one in ``out_dir`` and continues the same loss curve.
 """
@@ -29,12 +31,13 @@ import torch
 from eagle3fn.io.device import resolve_device
 from eagle3fn.parallel import all_reduce, is_main
 from eagle3fn.train.build import Run, build_run, check_draft_shape, check_paths, open_out_dir
-from eagle3fn.train.checkpoint import CHECKPOINT
+from eagle3fn.train.checkpoint import BEST, CHECKPOINT, best_record
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.evaluate import evaluate_holdout
+from eagle3fn.train.evaluate import evaluate_holdout, holdout_acceptance
 from eagle3fn.train.metrics import MetricsLog, read_metrics
 from eagle3fn.train.plot import plot_metrics
 from eagle3fn.train.progress import Progress
+from eagle3fn.train.sources import prompt_of
 from eagle3fn.train.step import StepResult, metrics_row, optimizer_step
 
 METRICS = "metrics.jsonl"
@@ -102,6 +105,7 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
         f"{len(run.examples)} conversations in {len(run.source.items)} batches/epoch, {len(run.held)} held "
         f"out; {run.total} optimizer steps on {run.device} ({str(run.precision).removeprefix('torch.')})")
     last, tokens, t0 = {}, 0, time.perf_counter()
+    best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     while run.step < run.total and run.epoch < cfg.epochs:
         order = run.source.order(run.epoch, cfg.seed)
         while True:
@@ -110,7 +114,7 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
             last = _log_step(run, result, tokens, t0, metrics, progress, log) or last
             if run.holdout.items and (run.step == run.total
                                       or cfg.eval_every and run.step % cfg.eval_every == 0):
-                _evaluate(run, metrics, log)
+                best = _evaluate(run, metrics, log, best)
             if run.step % cfg.save_every == 0 or run.step == run.total:
                 run.save()
             if on_step is not None:
@@ -155,11 +159,27 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
     return row
 
 
-def _evaluate(run: Run, metrics, log) -> None:
-    """The training objective on the held-out conversations, as a metrics row."""
+def _evaluate(run: Run, metrics, log, best: dict | None) -> dict | None:
+    """The training objective on the held-out conversations and the acceptance length of
+    speculative decoding of their first ``eval_accept_prompts`` prompts, as a metrics
+    row; a higher acceptance length than ``best`` writes checkpoint-best.pt. Returns the
+    best record (``{"step", "acceptance_length"}``) after this evaluation."""
+    cfg = run.cfg
+    params = run.compute_params()
     row = {"split": "eval", "step": run.step,
-           **evaluate_holdout(run.compute_params(), run.holdout, run.ttt_cfg, d2t=run.d2t, t2d=run.t2d,
-                              layout=run.layout)}
+           **evaluate_holdout(params, run.holdout, run.ttt_cfg, d2t=run.d2t, t2d=run.t2d, layout=run.layout)}
+    prompts = [prompt_of(e) for e in run.held[:cfg.eval_accept_prompts]]
+    if prompts:  # every rank decodes (the same greedy result), so none waits at a collective
+        row.update(holdout_acceptance(run.target, params, run.draft_cfg, run.d2t, prompts,
+                                      num_draft_tokens=cfg.ttt_length, max_new_tokens=cfg.eval_accept_tokens))
     metrics.write(row)
+    improved = bool(prompts) and (best is None or row["acceptance_length"] > best["acceptance_length"])
+    if improved:
+        best = {"step": run.step, "acceptance_length": row["acceptance_length"]}
+        run.save(run.out / BEST, best=best)
+    accept = (f", acceptance length {row['acceptance_length']:.2f} ({len(prompts)} prompts x "
+              f"{cfg.eval_accept_tokens} tokens{'; best so far, saved ' + BEST if improved else ''})"
+              if prompts else "")
     log(f"eval step {run.step}: held-out loss {row['loss']:.4f} acc0 {row['acc'][0]:.3f} "
-        f"tau {row['tau']:.2f} ({len(run.held)} conversations)")
+        f"tau {row['tau']:.2f} ({len(run.held)} conversations){accept}")
+    return best

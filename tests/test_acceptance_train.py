@@ -1,0 +1,129 @@
+"""Acceptance length during training: each held-out evaluation decodes the first
+``eval_accept_prompts`` held-out prompts by speculative decoding, records the acceptance
+length in metrics.jsonl, and keeps the best one's checkpoint as checkpoint-best.pt
+(``eagle3fn export --best``); a resume keeps the best record.
+
+The recorded value equals the uncached one-prompt twin (``speculative_generate``) run
+on the saved checkpoint; scripted acceptance values check the selection: the best
+checkpoint is the step with the highest value (controls: a later, better step replaces
+it; a resume that forgot the record would replace it with a worse one).
+"""
+
+import json
+
+import pytest
+import torch
+
+import eagle3fn.train.loop as loop
+from eagle3fn.speculative import SpecConfig, acceptance_stats, speculative_generate
+from eagle3fn.train import CHECKPOINT, METRICS, TrainConfig, load_run, train
+from eagle3fn.train.checkpoint import BEST
+from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture
+
+
+def eval_rows(out):
+    rows = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    return [r for r in rows if r.get("split") == "eval"]
+
+
+def scripted(monkeypatch, values):
+    """``holdout_acceptance`` returning ``values`` in turn (one per evaluation)."""
+    it = iter(values)
+    monkeypatch.setattr(loop, "holdout_acceptance",
+                        lambda *a, **k: {"acceptance_length": next(it), "per_position_acceptance": [0.0] * 3,
+                                         "accept_tokens": 0})
+
+
+def params_by_step(out):
+    """An ``on_step`` recording the checkpoint saved at every step (save_every=1)."""
+    saved = {}
+
+    def on_step(step):
+        saved[step] = torch.load(out / CHECKPOINT, weights_only=True)["params"]
+    return saved, on_step
+
+
+@pytest.mark.parametrize("values, best_step", [([1.5, 2.5, 2.0, 1.8], 2),
+                                               ([1.5, 2.5, 2.0, 3.0], 4),  # control: a later, better step
+                                               ([2.0, 2.0, 1.0, 1.0], 1)])  # ties keep the first
+def test_best_checkpoint_is_the_highest_acceptance(workdir, tmp_path, monkeypatch, values, best_step):  # noqa: F811
+    out = tmp_path / "run"
+    scripted(monkeypatch, values)
+    saved, on_step = params_by_step(out)
+    train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=4, save_every=1),
+          log=lambda s: None, on_step=on_step)
+    assert [r["acceptance_length"] for r in eval_rows(out)] == values
+    best = load_run(out, best=True)
+    assert best["step"] == best_step and best["best"] == {"step": best_step, "acceptance_length": max(values)}
+    assert all(torch.equal(best["params"][n], saved[best_step][n]) for n in saved[best_step])
+    assert load_run(out)["step"] == 4
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_resume_keeps_the_best_record(workdir, tmp_path, monkeypatch, forget):  # noqa: F811
+    """Stopped after step 3 (best: step 2, 2.5), resumed: step 4's 1.8 must not replace
+    it. Control: a resume that forgets the record (``best_record`` -> None) takes step 4."""
+    out = tmp_path / "run"
+    cfg = config(workdir, out, eval_holdout=2, eval_every=1, max_steps=4, save_every=1)
+
+    def stop(step):
+        if step == 3:
+            raise KeyboardInterrupt
+    scripted(monkeypatch, [1.5, 2.5, 2.0])
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, log=lambda s: None, on_step=stop)
+    scripted(monkeypatch, [1.8])
+    if forget:
+        monkeypatch.setattr(loop, "best_record", lambda *a: None)
+    train(cfg, log=lambda s: None)
+    assert load_run(out)["step"] == 4
+    assert load_run(out, best=True)["step"] == (4 if forget else 2)
+
+
+def test_recorded_acceptance_is_real_decoding(workdir, tmp_path, capsys):  # noqa: F811
+    """The metrics row's acceptance length and per-position rates equal the uncached
+    twin's on the saved draft (k = ttt_length, the first eval_accept_prompts prompts);
+    the run's trajectory is the same with the measurement off; export --best exports
+    the best step, and --best without checkpoint-best.pt is a one-line error."""
+    from eagle3fn.cli.main import main
+    from eagle3fn.io.export import load_export
+    from eagle3fn.io.target import load_target
+
+    out = tmp_path / "run"
+    train(config(workdir, out, eval_holdout=3, eval_every=2, max_steps=2, eval_accept_prompts=2,
+                 eval_accept_tokens=6), log=lambda s: None)
+    row = eval_rows(out)[-1]
+    run = load_run(out, best=True)
+    assert run["step"] == 2 and run["best"]["acceptance_length"] == row["acceptance_length"]
+    target = load_target(run["config"]["model"], aux_layer_ids=run["aux_layer_ids"])
+    params = {**run["params"], "embed_tokens.weight": target.embed_tokens.float()}
+    rounds = [n for p in run["holdout_prompts"][:2]
+              for n in speculative_generate(target, None, params, run["draft"], run["d2t"], torch.tensor([p]),
+                                            SpecConfig(num_draft_tokens=3, max_new_tokens=6)).accepted_per_round]
+    length, per_position = acceptance_stats(rounds, 3)
+    assert row["acceptance_length"] == pytest.approx(length, abs=1e-12)
+    assert row["per_position_acceptance"] == pytest.approx(per_position, abs=1e-6)
+    assert row["accept_tokens"] == 2 * 6
+
+    off = tmp_path / "off"
+    train(config(workdir, off, eval_holdout=3, eval_every=2, max_steps=2, eval_accept_prompts=0),
+          log=lambda s: None)
+    assert "acceptance_length" not in eval_rows(off)[-1] and not (off / BEST).exists()
+    a, b = load_run(out)["params"], load_run(off)["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a)  # measuring changes nothing trained
+
+    main(["export", "--run", str(out), "--out", str(out / "best"), "--dtype", "float32", "--best"])
+    assert "exported step 2" in capsys.readouterr().out
+    exported, *_ = load_export(out / "best")
+    assert all(torch.equal(exported[n], run["params"][n]) for n in run["params"])
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--run", str(off), "--out", str(off / "best"), "--best"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"no {BEST} in {off}" in err and "drop --best" in err
+
+
+@pytest.mark.parametrize("kw, needle", [({"eval_accept_prompts": -1}, "--eval-accept-prompts -1"),
+                                        ({"eval_accept_tokens": 0}, "--eval-accept-tokens 0")])
+def test_config_errors(workdir, tmp_path, kw, needle):  # noqa: F811
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), **kw)
