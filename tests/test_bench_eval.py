@@ -1,0 +1,75 @@
+"""benchmarks/eval.py on the CPU: the tiny shape end to end (build, warm-up, the plain
+and the instrumented runs, the JSON and the table), and the split of its time into
+target forwards and overhead checked against the forward count."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """``benchmarks/eval.py`` as a module (its ``meta`` import resolves from benchmarks/)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_eval", BENCH / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: OpenMP fork-join costs more than the work on a loaded CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_cpu_run(bench, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    args = bench.EvalBenchArgs(shape="tiny", prompts=5, prompt_length=12, max_new_tokens=10, batch_size=3,
+                               num_draft_tokens=3, device="cpu", work_dir=str(tmp_path / "work"), out=str(out))
+    report = bench.main(args)
+    r = report["result"]
+    assert json.loads(out.read_text())["result"]["rounds"] == r["rounds"]
+    assert report["args"]["prompts"] == 5 and report["commit"] and report["device"].startswith("cpu")
+    assert r["n_prompts"] == 5 and r["tokens"] == 5 * 10  # no EOS: every prompt runs to the end
+    # Per prompt: one prefill token, then rounds of accepted + 1 <= k + 1 = 4 tokens.
+    assert r["rounds"] >= 5 * 3 and r["target_forwards"] == r["rounds"] + 5
+    assert r["verify_ms"] > 0 and r["decode_ms"] > 0 and r["overhead_ms_per_round"] > 0
+    assert r["overhead_frac"] == pytest.approx(r["overhead_ms_per_round"] / r["verify_ms"])
+    assert r["same_as_target"] == 5  # fp32 CPU greedy: the speculative output is the target's
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("speedup ") and "of a verifying forward" in printed[-1]
+
+
+def test_forward_timer_counts_every_target_forward(bench):
+    """The instrumented split sees every target forward of ``generate`` (prefill + one
+    per round), and restores the real function (control: the count without it is 0)."""
+    import torch
+
+    import eagle3fn.speculative as spec
+    from test_speculative import make_draft, make_target
+
+    target = make_target()
+    params, cfg, d2t = make_draft(target)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([9])]
+    real = spec._target_forward
+    with bench.ForwardTimer(spec, torch.device("cpu")) as timer:
+        out = spec.generate(target, None, params, cfg, d2t, prompts, spec.SpecConfig(num_draft_tokens=2,
+                                                                                     max_new_tokens=6))
+    assert spec._target_forward is real
+    rounds = max(len(r.accepted_per_round) for r in out)  # the batch runs until its last row ends
+    assert [n for n, _ in timer.calls] == [3] + [3] * rounds  # prefill of 3 tokens, then k + 1 = 3
+    assert len(timer.calls) == 1 + rounds and all(ms > 0 for _, ms in timer.calls)
