@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -565,6 +566,17 @@ def _left_pad(prompts: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, ..
     return ids, valid, (valid.long().cumsum(1) - 1).clamp_min(0)
 
 
+@functools.lru_cache(maxsize=8)
+def _cache_kwarg_of(forward_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(forward_type.forward).parameters else "past_key_values"
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's cache argument: ``cache`` (transformers >= 5.25, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier)."""
+    return _cache_kwarg_of(type(model))
+
+
 def _target_forward(target: TargetModel, ids_BN: torch.Tensor, valid_BS: torch.Tensor,
                     pos_BN: torch.Tensor, cache, keep: int,
                     aux: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -580,7 +592,7 @@ def _target_forward(target: TargetModel, ids_BN: torch.Tensor, valid_BS: torch.T
         for slot, i in enumerate(target.aux_layer_ids)] if aux else []
     try:
         out = target.model(input_ids=ids_BN, attention_mask=valid_BS.long(), position_ids=pos_BN,
-                           cache=cache, use_cache=True, logits_to_keep=keep)
+                           use_cache=True, logits_to_keep=keep, **{_cache_kwarg(target.model): cache})
     finally:
         for handle in handles:
             handle.remove()
