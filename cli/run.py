@@ -25,6 +25,12 @@ class ExportArgs:
     """Export directory (config.json, model.safetensors)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Weights dtype in the export."""
+    format: Literal["eagle3", "speculators"] = "eagle3"
+    """eagle3: the LlamaForCausalLMEagle3 directory SGLang and vLLM load as a draft
+    (their speculative draft model path). speculators: the
+    vllm-project speculators layout (its Eagle3DraftModel.from_pretrained, vllm serve
+    <out>); it ships the target's embedding (the target is loaded to read it) and names
+    the target's path as its verifier. docs/export.md says which versions are tested."""
     best: bool = False
     """Export checkpoint-best.pt (the step with the highest held-out acceptance length,
     written when training measures it) instead of the last checkpoint."""
@@ -51,12 +57,36 @@ def export(args: ExportArgs) -> None:
     if cfg.get("model"):  # only the config is read: the target's weights may be elsewhere
         kwargs = _run_target(cfg, weights=False, tokenizer=False)
         target_config = AutoConfig.from_pretrained(cfg["model"], **kwargs).to_dict()
-    path = export_draft(args.out, run["params"], run["draft"], d2t=run["d2t"], t2d=run["t2d"],
-                        aux_layer_ids=run["aux_layer_ids"], target_config=target_config,
-                        dtype=getattr(torch, args.dtype))
+    common = dict(d2t=run["d2t"], t2d=run["t2d"], aux_layer_ids=run["aux_layer_ids"],
+                  target_config=target_config, dtype=getattr(torch, args.dtype))
+    if args.format == "speculators":
+        path = _export_speculators(args, run, common)
+    else:
+        path = export_draft(args.out, run["params"], run["draft"], **common)
     best = (f" (best acceptance length {run['best']['acceptance_length']:.2f})"
             if args.best and run["best"] else "")
     print(f"exported step {run['step']} of {args.run}{best} to {path}")
+
+
+def _export_speculators(args: ExportArgs, run: dict, common: dict):
+    """``export_speculators`` of a run: the target is loaded for its embedding (the
+    speculators layout ships it) and named by its absolute path as the verifier."""
+    import os
+
+    from eagle3fn.io.export import export_speculators
+    from eagle3fn.io.target import load_target
+
+    cfg = run["config"]
+    if not cfg.get("model") or cfg.get("gguf_file"):
+        what = f"a GGUF target ({cfg.get('gguf_file')})" if cfg.get("model") else "no target model"
+        raise UsageError(
+            f"--format speculators needs the target's safetensors directory (speculators "
+            f"reads its verifier from there); this run has {what}: use --format eagle3")
+    target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"],
+                         **_run_target(cfg, weights=True, tokenizer=False))
+    params = {**run["params"], "embed_tokens.weight": target.embed_tokens.float()}
+    return export_speculators(args.out, params, run["draft"], target_path=os.path.abspath(cfg["model"]),
+                              **common)
 
 
 @dataclass(kw_only=True)

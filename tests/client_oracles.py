@@ -70,6 +70,14 @@ class _Nothing:
     def __bool__(self):
         return False
 
+    def __or__(self, other):  # ``Completion | ChatCompletion`` in annotations
+        return self
+
+    __ror__ = __or__
+
+    def __getitem__(self, key):
+        return self
+
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, roots):
@@ -229,3 +237,88 @@ def sglang_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
     finally:
         layer.attn = original
     return logits
+
+
+# Modules speculators' package import names (data generation, HTTP clients, logging)
+# that loading and running ``Eagle3DraftModel`` never calls.
+SPECULATORS_STAND_INS = ("aiohttp", "datasets", "hs_connectors", "httpx", "openai")
+_SPECULATORS = None
+
+
+def speculators_eagle3():
+    """speculators' ``models.eagle3`` module (skips when speculators is absent)."""
+    global _SPECULATORS
+    if _SPECULATORS is not None:
+        return _SPECULATORS
+    if importlib.util.find_spec("speculators") is None:
+        pytest.skip("speculators is not installed (README's test command installs 0.9.0)")
+    import transformers.models.auto.processing_auto  # noqa: F401
+
+    finder = _StandInFinder([r for r in SPECULATORS_STAND_INS if importlib.util.find_spec(r) is None])
+    sys.meta_path.append(finder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module("speculators.models.eagle3")
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
+            del sys.modules[name]
+    _SPECULATORS = module
+    return module
+
+
+def tiny_target(path: Path, embed: torch.Tensor, *, num_layers: int, intermediate_size: int = 64,
+                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 8) -> Path:
+    """A random transformers Llama target saved at ``path`` whose embedding is
+    ``embed [V, H]``: the verifier speculators' ``from_pretrained`` reads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    V, H = embed.shape
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)
+    model.save_pretrained(str(path))
+    return path
+
+
+def speculators_draft(export_dir: Path):
+    """speculators' ``Eagle3DraftModel.from_pretrained(export_dir)`` (its config class
+    reads ``config.json``; eager attention, the CPU choice among its backends), fp32."""
+    module = speculators_eagle3()
+    config = module.Eagle3SpeculatorConfig.from_pretrained(str(export_dir))
+    config.transformer_layer_config._attn_implementation = "eager"
+    model = module.Eagle3DraftModel.from_pretrained(str(export_dir), config=config)
+    return model.float().eval()
+
+
+def speculators_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
+                           attention_mask: torch.Tensor, ttt_length: int) -> list[torch.Tensor]:
+    """``ttt_length`` per-step draft logits ``[B, S, Vd]`` from ``Eagle3DraftModel.forward``
+    (its own TTT loop; ``lm_head`` outputs recorded), one sample at a time over its
+    real tokens (speculators packs documents and has no padding mask). Step 0 gets the
+    ids shifted left once (eagle3fn's convention; speculators shifts the rest itself),
+    positions ``0..L-1``; rows past a sample's length stay zero."""
+    B, S = input_ids.shape
+    out = [torch.zeros(B, S, model.draft_vocab_size) for _ in range(ttt_length)]
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, result: seen.append(result))
+    try:
+        with torch.no_grad():
+            for b in range(B):
+                n = int(attention_mask[b].sum())
+                ids = input_ids[b:b + 1, :n]
+                ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+                seen.clear()
+                model(hidden_states=aux[b:b + 1, :n], input_ids=ids,
+                      document_ids=torch.zeros(1, n, dtype=torch.long),
+                      position_ids=torch.arange(n)[None], ttt_steps=ttt_length)
+                for j in range(ttt_length):
+                    out[j][b, :n] = seen[j][0]
+    finally:
+        hook.remove()
+    return out

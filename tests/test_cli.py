@@ -45,7 +45,7 @@ FLAGS = {
               "--ttt.auto-backbone-fraction", "--ttt.auto-loss-share", "--ttt.auto-min-rows",
               "--ttt.compile-elementwise", "--ttt.no-compile-elementwise", "--ttt.query-buckets",
               "--ttt.flex-kernel-options"},
-    "export": {"--run", "--out", "--dtype", "--best", "--no-best"},
+    "export": {"--run", "--out", "--dtype", "--format", "--best", "--no-best"},
     "eval": {"--run", "--prompts", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",
              "--batch-size", "--baseline", "--no-baseline", "--untrained", "--no-untrained"},
     "plan": {"--attention", "--auto-backbone-fraction", "--auto-loss-share", "--auto-min-rows", "--batch",

@@ -139,3 +139,128 @@ def test_norm_output_false_is_refused_because_sglang_computes_otherwise(tmp_path
     # The normed-state variant SGLang's key selects is refused on load, not misread.
     with pytest.raises(ValueError, match="norm_output is true"):
         load_export(tmp_path)
+
+
+# --- speculators: --format speculators, loaded by its own from_pretrained ---------------
+
+def _export_speculators(tmp_path, variant):
+    from eagle3fn.io.export import export_speculators
+
+    args = VARIANTS[variant]
+    cfg, params, d2t, t2d, target_embed = make_draft(**args)
+    oracles = pytest.importorskip("client_oracles")
+    target = oracles.tiny_target(tmp_path / "target", target_embed,
+                                 num_layers=TARGET["num_hidden_layers"])
+    out = export_speculators(tmp_path / "draft", params, cfg, d2t=d2t, t2d=t2d,
+                             aux_layer_ids=AUX, target_config=TARGET, target_path=str(target),
+                             dtype=torch.float32)
+    return cfg, params, d2t, t2d, target_embed, out
+
+
+def _speculators(export_dir, features):
+    oracles = pytest.importorskip("client_oracles")
+    model = oracles.speculators_draft(export_dir)
+    logits = oracles.speculators_ttt_logits(model, features.input_ids, features.aux,
+                                            features.attention_mask, K)
+    return logits, model
+
+
+def _real_rows(logits, features):
+    """Rows of real tokens (speculators runs each sample over its real tokens only)."""
+    valid = features.attention_mask.bool()
+    return [x[valid] for x in logits]
+
+
+SPECULATORS_CONTROLS = {
+    "default": {"tensors": _shift("layers.0.mlp.down_proj.weight")},
+    "llama3": {"config": {"transformer_layer_config": "drop rope_scaling"}},
+    "yarn": {"config": {"transformer_layer_config": "drop rope_scaling"}},
+    "fc_norm": {"config": {"fc_norm": False}},
+    "vocab_full": {"tensors": _shift("norm.weight")},
+    "vocab_subset": {"tensors": _shift("lm_head.weight")},
+}
+
+
+def _break_speculators(export_dir, control):
+    config = dict(control.get("config") or {})
+    if config.get("transformer_layer_config") == "drop rope_scaling":
+        layer = json.loads((export_dir / CONFIG).read_text())["transformer_layer_config"]
+        layer.pop("rope_scaling")
+        config["transformer_layer_config"] = layer
+    _edit(export_dir, config=config, tensors=control.get("tensors"))
+
+
+@pytest.mark.parametrize("variant", list(SPECULATORS_CONTROLS))
+def test_speculators_loads_our_layout(tmp_path, variant):
+    cfg, params, d2t, t2d, target_embed, out = _export_speculators(tmp_path, variant)
+    features = make_features()
+    ours = _real_rows(eagle3fn_logits(cfg, params, features), features)
+    theirs, model = _speculators(out, features)
+    assert max_error(ours, _real_rows(theirs, features)) <= TOL
+    # Output-of-layer ids i are speculators' (and vLLM's) capture-before ids i + 1,
+    # checked by its from_pretrained against the verifier's layer count.
+    assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in AUX]
+    assert (model.fc_norm is not None) == cfg.fc_norm
+    assert torch.equal(model.embed_tokens.weight, target_embed)
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        assert torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)
+    else:
+        assert model.d2t is None and model.t2d is None
+    _break_speculators(out, SPECULATORS_CONTROLS[variant])
+    broken, _ = _speculators(out, features)
+    assert max_error(ours, _real_rows(broken, features)) > 1e-3
+
+
+def test_speculators_refuses_what_it_cannot_represent(tmp_path):
+    from eagle3fn.io.export import export_speculators
+
+    cfg, params, d2t, t2d, _ = make_draft(target_hidden=24)
+    kw = dict(d2t=d2t, t2d=t2d, aux_layer_ids=AUX, target_path="target")
+    with pytest.raises(ValueError, match="hidden_size=32 differs from the target's 24.*--format eagle3"):
+        export_speculators(tmp_path, params, cfg, **kw)
+    cfg, params, d2t, t2d, _ = make_draft(norm_output=False)
+    with pytest.raises(ValueError, match="norm_output=False"):
+        export_speculators(tmp_path, params, cfg, **kw)
+    cfg, params, d2t, t2d, _ = make_draft()
+    with pytest.raises(ValueError, match="lack embed_tokens.weight"):
+        export_speculators(tmp_path, {k: v for k, v in params.items() if "embed" not in k}, cfg, **kw)
+    with pytest.raises(ValueError, match="target_path is empty"):
+        export_speculators(tmp_path, params, cfg, **{**kw, "target_path": ""})
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_exports_a_run_speculators_loads(tmp_path):
+    """``eagle3fn export --format speculators`` of a trained run: speculators' model
+    computes the run's draft (target embedding read from the target) on its rows."""
+    from recorders import save_tiny_target, write_tiny_chat
+
+    from eagle3fn.cli.main import main
+    from eagle3fn.io.target import load_target
+    from eagle3fn.shapes import Features
+    from eagle3fn.train import CHECKPOINT, train
+    from eagle3fn.train.checkpoint import load_run
+    from eagle3fn.train.config import TrainConfig
+
+    pytest.importorskip("client_oracles").speculators_eagle3()
+    save_tiny_target(tmp_path / "model")
+    write_tiny_chat(tmp_path / "chat.jsonl", 4)
+    run_dir = tmp_path / "run"
+    train(TrainConfig(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"),
+                      out_dir=str(run_dir), draft_vocab_size=64, batch_size=2, max_steps=1,
+                      ttt_length=3), log=lambda s: None)
+    assert (run_dir / CHECKPOINT).is_file()
+    main(["export", "--run", str(run_dir), "--out", str(tmp_path / "draft"), "--format",
+          "speculators", "--dtype", "float32"])
+    run = load_run(str(run_dir))
+    target = load_target(str(tmp_path / "model"), aux_layer_ids=run["aux_layer_ids"])
+    params = {**run["params"], "embed_tokens.weight": target.embed_tokens.float()}
+    cfg = run["draft"]
+    g = torch.Generator().manual_seed(0)
+    features = Features(input_ids=torch.randint(0, cfg.vocab_size, (B, S), generator=g),
+                        aux=torch.randn(B, S, 3 * cfg.ht, generator=g),
+                        attention_mask=torch.ones(B, S, dtype=torch.long))
+    ours = eagle3fn_logits(cfg, params, features)
+    theirs, model = _speculators(tmp_path / "draft", features)
+    assert max_error(ours, theirs) <= TOL
+    assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in run["aux_layer_ids"]]
+    assert model.config.speculators_config.verifier.name_or_path == str(tmp_path / "model")

@@ -17,8 +17,15 @@ Layout (docs/export.md gives every key and how each engine reads it)::
 
 Both files are written to temporary names and renamed into place. A draft trained with
 ``norm_output=False`` is refused: SGLang and vLLM always norm before lm_head (their
-``norm_output`` key means something else). ``eagle3fn.io.speculators`` writes the
-vllm-project speculators layout instead.
+``norm_output`` key means something else). ``export_speculators`` writes the
+vllm-project speculators layout instead::
+
+    config.json          Eagle3SpeculatorConfig dict: speculators_model_type "eagle3",
+                         transformer_layer_config (Llama), draft_vocab_size, fc_norm,
+                         eagle_aux_hidden_state_layer_ids = ids + 1, speculators_config
+                         (verifier = the target's path and architectures)
+    model.safetensors    embed_tokens (the target's), fc, [fc_norm.*], layers.0.*,
+                         norm, lm_head; d2t, t2d only when Vd < V
 """
 
 from __future__ import annotations
@@ -177,6 +184,13 @@ def export_draft(
     tensors = _checked_params(params, cfg, text, d2t, t2d)
     _warn_where_engines_differ(cfg, ids)
     config = draft_config_dict(cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype)
+    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
+
+
+def _write(out_dir, tensors: dict[str, torch.Tensor], config: dict, cfg: DraftConfig,
+           d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype) -> Path:
+    """``model.safetensors`` (``tensors`` in ``dtype``, d2t / t2d when Vd < V) and
+    ``config.json`` written to temporary names and renamed into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
@@ -190,6 +204,93 @@ def export_draft(
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out / CONFIG)
     return out
+
+
+SPECULATORS_VERSION = "0.9.0"
+"""The speculators release whose ``Eagle3DraftModel.from_pretrained`` the layout is
+tested against (``tests/test_export_clients.py``)."""
+
+
+def export_speculators(
+    out_dir: str | os.PathLike,
+    params: dict[str, torch.Tensor],
+    cfg: DraftConfig,
+    *,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    aux_layer_ids: tuple[int, int, int],
+    target_config: dict | None = None,
+    target_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write the draft in vllm-project speculators' EAGLE-3 layout (module docstring):
+    a directory ``Eagle3DraftModel.from_pretrained`` loads, and vLLM serves as a
+    speculators model (``vllm serve <out_dir>``).
+
+    Args are ``export_draft``'s, plus ``target_path``: the target's name or path,
+    stored as ``speculators_config.verifier.name_or_path`` (``from_pretrained`` reads
+    the target's config and its embedding / head / final norm files from there, so it
+    must be where the draft will be loaded). ``params`` must hold ``embed_tokens.weight`` (the target's
+    embedding ``[V, H]``, which speculators reads from the checkpoint). The aux ids
+    are written as ``ids + 1``: speculators and vLLM capture *before* layer ``i``.
+
+    Raises ValueError for what speculators 0.9.0 cannot represent: a draft whose
+    width differs from the target's (its ``fc`` and ``fc_norm`` take ``3*H``), and
+    ``norm_output=False`` (``check_servable``); and for ``export_draft``'s mismatches.
+    """
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+    check_servable(cfg)
+    if not target_path:
+        raise ValueError("target_path is empty: speculators' from_pretrained reads the "
+                         "target (verifier) from there; pass the target's name or path")
+    if cfg.hidden_size != cfg.ht:
+        raise ValueError(
+            f"the draft's hidden_size={cfg.hidden_size} differs from the target's "
+            f"{cfg.ht}: speculators {SPECULATORS_VERSION} sizes fc and fc_norm by the draft's "
+            "width; export it with --format eagle3 (SGLang and vLLM load that)")
+    if EMBEDDING not in params:
+        raise ValueError(
+            "params lack embed_tokens.weight: the speculators layout ships the target's "
+            "embedding; pass the run's parameters (the training copy of it)")
+    text = _text_config(target_config)
+    ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
+    tensors = _checked_params(params, cfg, text, d2t, t2d)
+    tensors[EMBEDDING] = params[EMBEDDING]
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
+    _warn_where_engines_differ(cfg, ids)
+    dtype_name = str(dtype).removeprefix("torch.")
+    layer = {k: v for k, v in draft_config_dict(
+        cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype).items()
+        if k not in ("architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+                     "draft_vocab_size", "target_hidden_size", "fc_norm")}
+    layer.update(attention_bias=False, mlp_bias=False)
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.ht,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        "fc_norm": cfg.fc_norm,
+        "norm_before_fc": False,
+        "norm_before_residual": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype_name,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": target_path,
+                         "architectures": (target_config or {}).get("architectures")
+                         or ["LlamaForCausalLM"]},
+        },
+    }
+    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
 
 
 def _checked_params(params: dict[str, torch.Tensor], cfg: DraftConfig, text: dict, d2t: torch.Tensor,
