@@ -157,3 +157,41 @@ def test_a_windowed_read_equals_the_whole_shard_cut(workdir, tmp_path):
     assert whole.final_hidden[:, 3:S - 2].any()  # the teacher rows are inside the windows
     part = cache.read(1, (4, 12)).features
     assert not torch.equal(part.aux, whole.aux[:, 5:13])
+
+
+def test_prefetcher_returns_what_a_direct_read_returns(workdir, tmp_path, monkeypatch):
+    """The background reader serves the epoch order (stride 2: one data-parallel rank of
+    two) from loads started ahead, with sequence-parallel windows given as new partials
+    each call; every result equals a direct read, a guess it did not make is read in
+    place, a background error is raised by the get that asks for it. Control: keyed
+    without its window, a prefetched shard of another window is caught."""
+    import functools
+
+    import eagle3fn.io.prefetch as prefetch
+    from eagle3fn.parallel import chunk_window
+
+    cache = FeatureCache(prepare_cache(workdir, tmp_path / "c", "--batch-size", "1"))
+    direct = lambda i, w=None: cache.read(i, w).features.aux  # noqa: E731
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    window = lambda: functools.partial(chunk_window, sp=2, sp_rank=1, ttt_length=3)  # noqa: E731
+    fetch = prefetch.Prefetcher(direct, lambda x: x, order, depth=2)
+    for pos in range(0, len(order), 2):
+        assert torch.equal(fetch.get(order[pos], window()), direct(order[pos], window()))
+    assert fetch.hits == 3 and fetch.misses == 1 and fetch.take_wait() > 0 and fetch.take_wait() == 0
+    assert torch.equal(fetch.get(order[1]), direct(order[1]))  # not guessed: read in place
+    fetch.close()
+
+    def broken(i, w=None):
+        if i == 2:
+            raise RuntimeError("shard 2 is broken")
+        return direct(i, w)
+    fetch = prefetch.Prefetcher(broken, lambda x: x, [0, 1, 2], depth=2)
+    fetch.get(0)
+    with pytest.raises(RuntimeError, match="shard 2 is broken"):
+        fetch.get(1), fetch.get(2)
+    fetch.close()
+    monkeypatch.setattr(prefetch, "window_key", lambda w: None)  # the control
+    fetch = prefetch.Prefetcher(direct, lambda x: x, [0, 1, 2], depth=2)
+    fetch.get(0, (0, 4))
+    assert not torch.equal(fetch.get(1, (2, 6)), direct(1, (2, 6)))
+    fetch.close()

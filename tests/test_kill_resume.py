@@ -21,9 +21,10 @@ SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_
 
 @pytest.mark.parametrize("source", ["online", "cache"])
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, source, monkeypatch):
+    n = 24 if source == "online" else 14  # conversations; two epochs of one per step
     save_tiny_target(tmp_path / "model")
-    write_tiny_chat(tmp_path / "chat.jsonl", 24)
-    total = 2 * 24
+    write_tiny_chat(tmp_path / "chat.jsonl", n)
+    total = 2 * n
     data = dict(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"))
     if source == "cache":  # one conversation per shard, bf16 on disk: a micro-batch per shard
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -42,6 +42,27 @@ class Source:
         g = torch.Generator().manual_seed(seed * 1000 + epoch)
         return torch.randperm(len(self.items), generator=g).tolist()
 
+    def take_wait(self) -> float:
+        """Seconds the training thread waited on input since the last call (then reset);
+        0 for a source that computes its batches in the training thread (online)."""
+        return 0.0
+
+
+@dataclasses.dataclass
+class PrefetchSource(Source):
+    """A ``Source`` whose ``load`` is served by an ``io.prefetch.Prefetcher``: the items
+    after the one asked are read in a background thread, in the epoch's order."""
+
+    prefetcher: object = None
+
+    def order(self, epoch: int, seed: int) -> list[int]:
+        order = super().order(epoch, seed)
+        self.prefetcher.set_order([self.items[i] for i in order])
+        return order
+
+    def take_wait(self) -> float:
+        return self.prefetcher.take_wait()
+
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """The dtype the target and the draft step run in: ``--precision``, where ``auto`` is
@@ -98,23 +119,38 @@ def online_source(cfg: TrainConfig, device: torch.device):
     return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
 
 
-def offline_source(cfg: TrainConfig, device: torch.device):
+def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2):
     """``(examples, Source)`` for training and for the held-out trailing shards of the
     cache (shards are never split: ``eval_holdout`` must match a number of trailing
-    shards' conversations). Features come in the compute dtype (a bf16 cache trains on
-    the CPU in fp32); with ``pack``, each shard's conversations packed into rows of
-    ``max_length`` (``io.packing.pack_features``)."""
+    shards' conversations). Each source reads ``prefetch`` shards ahead in a background
+    thread (``io.prefetch``: the disk read, dequantization and, with ``pack``, packing
+    into rows of ``max_length`` by ``io.packing.pack_features``, into pinned memory),
+    the training thread only copies them to ``device`` (non-blocking) in the compute
+    dtype (a bf16 cache trains on the CPU in fp32) and records its wait
+    (``Source.take_wait``). The target head moves to the device once."""
     from eagle3fn.io.cache import FeatureCache
     from eagle3fn.io.data import Example
     from eagle3fn.io.packing import pack_features
+    from eagle3fn.io.prefetch import Prefetcher
 
-    cache = FeatureCache(cfg.cache, device=device, dtype=compute_dtype(cfg, device))
+    cache = FeatureCache(cfg.cache)  # host side: CPU tensors in the stored dtypes
+    dtype = compute_dtype(cfg, device)
+    head = cache.target_head.to(device=device, dtype=dtype)
 
-    def load(i, window=None):
+    def load_host(i, window=None):
         item = cache.read(i, window)
         if cfg.pack:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
             return pack_features(item.features, item.loss_mask, cfg.max_length)
         return item.features, item.loss_mask
+
+    def to_device(host):
+        features, loss_mask = host
+        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        cast = lambda x: None if x is None else move(x).to(dtype)  # noqa: E731
+        return Features(input_ids=move(features.input_ids), aux=cast(features.aux),
+                        attention_mask=move(features.attention_mask),
+                        target_logits=cast(features.target_logits), final_hidden=cast(features.final_hidden),
+                        target_head=head, positions=move(features.positions)), move(loss_mask)
     shards = []  # ids and masks only (no features read), for the vocab map and held-out prompts
     for i in range(len(cache)):
         item = cache.read(i, (0, 0))
@@ -130,8 +166,12 @@ def offline_source(cfg: TrainConfig, device: torch.device):
     cut = len(shards) - held.index(cfg.eval_holdout)
     flat = lambda part: [e for s in part for e in s]  # noqa: E731
     describe = lambda i: f"shard {cache.names[i]} of the cache {cfg.cache}"  # noqa: E731
-    return ((flat(shards[:cut]), Source(list(range(cut)), load, describe)),
-            (flat(shards[cut:]), Source(list(range(cut, len(shards))), load, describe)))
+
+    def source(items):
+        fetch = Prefetcher(load_host, to_device, items, depth=prefetch)
+        return PrefetchSource(items, fetch.get, describe, prefetcher=fetch)
+    return ((flat(shards[:cut]), source(list(range(cut)))),
+            (flat(shards[cut:]), source(list(range(cut, len(shards))))))
 
 
 def prompt_of(example) -> list[int]:
