@@ -892,9 +892,9 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         raise ValueError("evaluate needs at least one prompt")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    prompts = _prompt_list(prompts)
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     device = target.lm_head.weight.device
+    prompts = [p.to(device) for p in _prompt_list(prompts)]
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def timed(fn):
         if device.type == "cuda":
