@@ -173,6 +173,9 @@ class BenchArgs:
     """online: the target runs in the loop; offline: ``prepare`` then ``train --cache``."""
     modes: tuple[Mode, ...] = ("none", "loss", "backbone", "auto")
     """``eagle3fn train --trim`` modes to run for each loop."""
+    packs: tuple[bool, ...] = (False,)
+    """Run each mode unpacked (False) and/or with ``--pack`` (True: conversations packed
+    into rows of ``--max-length``; the run's mode is reported as ``<mode>+pack``)."""
     specforge: bool = True
     """Also run the SpecForge 0.2.0 loop for each loop kind (after the eagle3fn runs)."""
     steps: int = 80
@@ -247,7 +250,7 @@ class Bench:
         root = self.work / "compile" / name
         return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton")}
 
-    def train_argv(self, loop: str, mode: str, out_dir: Path, cache: Path) -> list[str]:
+    def train_argv(self, loop: str, mode: str, out_dir: Path, cache: Path, pack: bool = False) -> list[str]:
         """The ``eagle3fn train`` arguments of one run."""
         a = self.args
         source = (["--cache", str(cache)] if loop == "offline"
@@ -256,7 +259,7 @@ class Bench:
                 "--max-length", str(a.max_length), "--max-steps", str(a.steps), "--epochs", "1",
                 "--draft-vocab-size", str(self.shape.draft_vocab), "--ttt-length", str(a.ttt_length),
                 "--lr", str(a.lr), "--seed", str(a.seed), "--device", self.device, "--save-every", str(10**9),
-                "--log-every", "1", *shlex.split(a.train_args)]
+                "--log-every", "1", *(["--pack"] if pack else []), *shlex.split(a.train_args)]
 
 
 def resolve(args: BenchArgs) -> tuple[BenchArgs, Shape, Path]:
@@ -327,14 +330,26 @@ def offline_cache(bench: Bench) -> tuple[Path, dict]:
                    "cache_gib": round(size / 2**30, 2)}
 
 
-def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path) -> dict:
+def per_token_floors(bench: Bench, loop: str, steps: list[dict]) -> list[tuple[float, float]]:
+    """Each step's (dense, trimmed) FLOP floor as its real tokens times the data's mean
+    FLOPs per real token: for a packed run, whose steps hold other groups of
+    conversations than ``bench.batches`` (a conversation's FLOPs do not depend on its
+    batch, so over the data the sum is the same)."""
+    tokens = sum(len(e) for b in bench.batches for e in b)
+    dense = sum(f[0] for f in bench.floors[loop]) / tokens
+    trimmed = sum(f[1] for f in bench.floors[loop]) / tokens
+    return [(dense * s["tokens"], trimmed * s["tokens"]) for s in steps]
+
+
+def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False) -> dict:
     """One ``eagle3fn train`` run under ``probe``, summarised (``error`` when it failed).
     Its metrics.jsonl and log stay in ``work/logs``; its out_dir (checkpoints) is removed."""
-    name = f"{loop}-{mode}"
+    label = f"{mode}+pack" if pack else mode
+    name = f"{loop}-{label}"
     out_dir = bench.work / "runs" / name
     shutil.rmtree(out_dir, ignore_errors=True)
-    argv = bench.train_argv(loop, mode, out_dir, cache)
-    row = {"loop": loop, "mode": mode, "command": _python(argv)}
+    argv = bench.train_argv(loop, mode, out_dir, cache, pack)
+    row = {"loop": loop, "mode": label, "command": _python(argv)}
     compile_dir = bench.work / "compile" / name
     shutil.rmtree(compile_dir, ignore_errors=True)
     try:
@@ -344,9 +359,10 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path) -> dict:
         steps = record["steps"]
         expected = [sum(len(e) for e in b) for b in bench.batches]
         match = [s["tokens"] for s in steps] == expected[:len(steps)]
+        floors = (bench.floors[loop][:len(steps)] if match
+                  else per_token_floors(bench, loop, steps) if pack else None)
         row.update(summarise(steps, warmup=bench.args.warmup_steps, launched=launched,
-                             ceiling_tflops=bench.ceiling, floors=bench.floors[loop][:len(steps)] if match else None,
-                             before=record.get("before_first_step")),
+                             ceiling_tflops=bench.ceiling, floors=floors, before=record.get("before_first_step")),
                    batches_match=match, recompile_examples=record["recompile_examples"])
         if loop == "online":  # the loop reads no cache
             row.pop("input_wait_frac")
@@ -420,7 +436,8 @@ def main(args: BenchArgs) -> dict:
         if loop == "offline":
             cache, report["prepare"] = offline_cache(bench)
         for mode in args.modes:
-            add(eagle3fn_row(bench, loop, mode, cache))
+            for pack in args.packs:
+                add(eagle3fn_row(bench, loop, mode, cache, pack))
         if loop == "offline" and not args.keep_cache:
             shutil.rmtree(cache, ignore_errors=True)
     if args.specforge:

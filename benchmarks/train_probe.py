@@ -19,6 +19,8 @@ from pathlib import Path
 
 from train_target import Shape
 
+from eagle3fn.compiled import RecompileCounter  # noqa: F401 - the probe's counter, also train.py's
+
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 
@@ -89,50 +91,6 @@ def matmul_tflops(device: str) -> float:
 
 
 # ---------------------------------------------------------------------------- measuring
-
-
-class RecompileCounter:
-    """Counts dynamo "Recompiling function" log events in this process (turns on the
-    ``recompiles`` log artifact) and the times a function hit dynamo's recompile limit
-    (after which it runs uncompiled), keeping the first few messages."""
-
-    def __init__(self, keep: int = 5) -> None:
-        import logging
-
-        import torch._logging
-
-        self.count, self.limit_hits, self.examples, self.keep = 0, 0, [], keep
-        torch._logging.set_logs(recompiles=True)
-        counter = self
-
-        class Handler(logging.Handler):
-            def emit(self, record):
-                message = record.getMessage()
-                if message.startswith("Recompiling function"):
-                    counter.count += 1
-                elif message.startswith("torch._dynamo hit config."):
-                    counter.limit_hits += 1
-                else:
-                    return
-                if len(counter.examples) < counter.keep:
-                    counter.examples.append(" ".join(message.split())[:300])
-        self.handler = Handler()
-        logging.getLogger("torch._dynamo").addHandler(self.handler)
-
-    def close(self) -> None:
-        """Stop counting; torch's log settings back to their defaults."""
-        import logging
-
-        import torch._logging
-
-        logging.getLogger("torch._dynamo").removeHandler(self.handler)
-        torch._logging.set_logs()
-
-    @staticmethod
-    def graphs() -> int:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
 
 
 def _step_record(t_start: float, tokens: int, padded: int, recompiles: RecompileCounter, **extra) -> dict:
@@ -299,7 +257,8 @@ METHODS = {
     "graph_compiles_after_warmup": "new dynamo graphs (counters['stats']['unique_graphs']) in the steady window",
     "gpu_busy_pct": "mean nvidia-smi utilization.gpu over the steady window, sampled every smi_period_ms",
     "peak_gib": "torch.cuda.max_memory_allocated over the run, reset after every step (target weights included)",
-    "floor_*": "FLOPs of the steady window's batches (step_flops) / the matmul rate measured in this process; "
+    "floor_*": "FLOPs of the steady window's batches (step_flops; a packed run: its real tokens x the data's "
+               "mean FLOPs per real token) / the matmul rate measured in this process; "
                "frac = floor time / measured time",
     "input_wait_frac": "offline: s inside FeatureCache.read / steady window s",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",

@@ -93,7 +93,7 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out.json"
     args = bench.BenchArgs(shape="tiny", device="cpu", loops=("online", "offline"), modes=("loss",), steps=3,
                            warmup_steps=1, batch_size=2, max_length=64, length_scale=1 / 32,
-                           work_dir=str(work), out=str(out))
+                           work_dir=str(work), out=str(out), packs=(False, True))
     try:
         result = bench.main(args)
     finally:
@@ -102,7 +102,8 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     assert saved["results"] == result["results"]
     assert saved["args"]["max_length"] == 64 and saved["args"]["device"] == "cpu" and saved["commit"]
     rows = {(r["loop"], r["mode"]): r for r in result["results"]}
-    assert set(rows) == {("online", "loss"), ("offline", "loss"), ("online", "specforge"), ("offline", "specforge")}
+    assert set(rows) == {(loop, mode) for loop in ("online", "offline") for mode in ("loss", "loss+pack", "specforge")}
+    packed = {loop: rows.pop((loop, "loss+pack")) for loop in ("online", "offline")}
 
     # The padding every run measured is the hand count over the tokenized data.
     examples = tokenize_file(work / "data.jsonl", AutoTokenizer.from_pretrained(work / "target"), max_length=64)
@@ -129,6 +130,16 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert mine["command"].startswith("python -m eagle3fn.cli train ")
     assert result["prepare"]["seconds"] > 0
     assert 0 < result["data"]["assistant_share"] < 1
+
+    # Packed (--pack): every conversation once, in rows of max_length (the last batch
+    # may hold fewer rows); the floors from the data's mean FLOPs per token.
+    for loop, r in packed.items():
+        assert "error" not in r and "--pack" in r["command"].split(), (loop, r)
+        record = json.loads((work / "logs" / f"{loop}-loss+pack.json").read_text())["steps"]
+        assert sum(s["tokens"] for s in record) == sum(lengths)
+        assert all(s["padded"] == 2 * 64 for s in record[:-1]) and record[-1]["padded"] in (64, 128)
+        assert r["padding_frac"] == pytest.approx(1 - sum(lengths) / sum(s["padded"] for s in record), abs=1e-4)
+        assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
 
 
 def test_recompiles_and_graphs_are_counted(bench):

@@ -409,13 +409,15 @@ def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
 
 
 def test_packed_query_len_buckets():
-    """At least the rows, whole flex blocks, at most the key length, and less than one
-    bucket (key length / QUERY_BUCKETS, in blocks) of padding: few distinct shapes."""
+    """At least the rows and MIN_FLEX_BLOCKS blocks (dynamo specialises one block),
+    whole flex blocks, at most the key length, and less than one bucket (key length /
+    QUERY_BUCKETS, in blocks; at least the minimum) of padding: few distinct shapes."""
     from eagle3fn.unrolled import FLEX_BLOCK, packed_query_len
     from eagle3fn.unrolled import DEFAULT_QUERY_BUCKETS as QUERY_BUCKETS
+    from eagle3fn.unrolled.attention import MIN_FLEX_BLOCKS
 
-    for Lp in (128, 1024, 8192, 8320, 262144):
-        unit = -(-Lp // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK
+    for Lp in (256, 1024, 8192, 8320, 262144):
+        unit = max(-(-Lp // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK, MIN_FLEX_BLOCKS * FLEX_BLOCK)
         lens = {packed_query_len(n, Lp) for n in range(0, Lp + 1, 37)}
         assert len(lens) <= QUERY_BUCKETS
         for n in range(0, Lp + 1, 37):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3fn.compiled import compile_backend
 from eagle3fn.rope import ROPE_TYPE_KEYS, RopeConfig, RopeType, rope_frequencies  # noqa: F401 - re-exported
 
 
@@ -24,20 +25,21 @@ def fused_on_cuda(fn):
     """``fn`` compiled (shape-dynamic) for CUDA inputs, eager otherwise (same maths,
     rounding may differ in the last bit: inductor keeps fp32 intermediates in registers).
     The draft's elementwise chains (RMSNorm, RoPE, SwiGLU) are wrapped so: one fused
-    kernel each way instead of 5-15. CPU tensors and ``torch.func`` transforms always
-    run eagerly; ``wrapper.eager`` is ``fn`` itself, which a caller whose
-    ``compile_elementwise`` is off runs instead (``elementwise``)."""
-    compiled = None
+    kernel each way instead of 5-15. CPU tensors (unless a test's
+    ``runtime.compile_on_cpu`` asks) and ``torch.func`` transforms always run eagerly;
+    ``wrapper.eager`` is ``fn`` itself, which a caller whose ``compile_elementwise`` is
+    off runs instead (``elementwise``)."""
+    compiled: dict[str, object] = {}
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args):
-        nonlocal compiled
-        if (not x.is_cuda or torch.compiler.is_compiling()
+        backend = compile_backend(x.device)
+        if (backend is None or torch.compiler.is_compiling()
                 or torch._C._functorch.is_functorch_wrapped_tensor(x)):
             return fn(x, *args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
-        return compiled(x, *args)
+        if backend not in compiled:
+            compiled[backend] = torch.compile(fn, dynamic=True, backend=backend)
+        return compiled[backend](x, *args)
 
     wrapper.eager = fn
     return wrapper

@@ -23,6 +23,7 @@ import math
 from eagle3fn.plan.args import PlanArgs, attention_kind
 from eagle3fn.plan.rows import Rows
 from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS, FLEX_BLOCK, packed_query_len
+from eagle3fn.unrolled.attention import MIN_FLEX_BLOCKS
 
 FLEX_SAVES_MAX_SCORES = True
 """FlexAttention keeps an fp32 ``[1, h, Qp]`` row maximum beside its log-sum-exp
@@ -32,7 +33,7 @@ graph keeps it is not measured: 1 MiB per step at 8B shapes and 8192 tokens)."""
 
 def _packed_len(args: PlanArgs) -> int:
     """Lp, the packed FlexAttention length: ``B*C`` rounded up to the flex block."""
-    return max(-(-args.batch * args.own_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
+    return max(-(-args.batch * args.own_rows // FLEX_BLOCK), MIN_FLEX_BLOCKS) * FLEX_BLOCK
 
 
 def _query_len(args: PlanArgs, m: float, query_buckets: int) -> int:

@@ -35,10 +35,15 @@ from eagle3fn.kernels import merge as merge_kernel
 from eagle3fn.shapes import Features
 from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
                                       AttentionImpl, TTTConfig)
+from eagle3fn.compiled import compile_backend
 from eagle3fn.unrolled.runtime import compiled_flex
 
 FLEX_BLOCK = 128
 """FlexAttention's block size, in rows, for queries and keys alike."""
+
+MIN_FLEX_BLOCKS = 2
+"""The fewest FLEX_BLOCKs of a packed query or key length: dynamo specialises sizes 0
+and 1, so one block would compile a graph of its own (``eagle3fn.compiled``)."""
 
 
 def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
@@ -100,9 +105,10 @@ def packed_query_len(num_queries: int, key_len: int,
     """The packed query length for ``num_queries`` rows over ``key_len`` keys: rounded
     up to a multiple of ``key_len / query_buckets`` in FLEX_BLOCK units, so at most
     ``query_buckets`` lengths (compiled kernels) per key length (a multiple of
-    FLEX_BLOCK, at least one block, at most ``key_len``; ``TTTConfig.query_buckets``)."""
+    FLEX_BLOCK, at least MIN_FLEX_BLOCKS blocks, at most ``key_len``;
+    ``TTTConfig.query_buckets``)."""
     unit = -(-key_len // (query_buckets * FLEX_BLOCK)) * FLEX_BLOCK
-    return min(key_len, max(-(-num_queries // unit), 1) * unit)
+    return min(key_len, max(max(-(-num_queries // unit), 1) * unit, MIN_FLEX_BLOCKS * FLEX_BLOCK))
 
 
 def _range_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
@@ -207,8 +213,8 @@ class PackedLayout:
 
 
 def _key_len(num_flat_rows: int) -> int:
-    """Lp: ``B*C`` flat keys rounded up to FLEX_BLOCK (at least one block)."""
-    return max(-(-num_flat_rows // FLEX_BLOCK), 1) * FLEX_BLOCK
+    """Lp: ``B*C`` flat keys rounded up to FLEX_BLOCK (at least MIN_FLEX_BLOCKS blocks)."""
+    return max(-(-num_flat_rows // FLEX_BLOCK), MIN_FLEX_BLOCKS) * FLEX_BLOCK
 
 
 def packed_layout(rows_N: torch.Tensor, lengths_B: torch.Tensor, num_rows: int,
@@ -364,16 +370,48 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
 
     block_mask = packed_block_mask(start, last, N, Lp, mask_mod, tables=layout.tables)
     Q = pack_queries(q_NhD, Qp) if q_packed is None else q_packed
-    attend = compiled_flex() if q_NhD.is_cuda else flex_attention
+    backend = compile_backend(q_NhD.device)
+    attend = flex_attention if backend is None else compiled_flex(backend)
+    if backend is not None:
+        _dynamic_lengths(Q, K, V, block_mask)
     scale = 1.0 / math.sqrt(d)
-    out, lse = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
-                      return_lse=True, kernel_options=flex_kernel_options(q_NhD.device, kernel_options))
+    out, aux = attend(Q, K, V, block_mask=block_mask, scale=scale, enable_gqa=h != K.shape[1],
+                      kernel_options=flex_kernel_options(q_NhD.device, kernel_options), **_LSE)
+    lse = getattr(aux, "lse", aux)
     o = out[0, :, :N].transpose(0, 1)
     if return_lse:
         return o, lse[0, :, :N].transpose(0, 1)
     if diagonal is None:
         return o
     return merge_diagonal_as(fused)(o, lse[0, :, :N].transpose(0, 1), q_NhD, *diagonal, scale)
+
+
+def _dynamic_lengths(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, block_mask) -> None:
+    """Tell dynamo up front that the query and key lengths (``Qp``, ``Lp``) and the block
+    tables' row and column counts vary (``maybe_mark_dynamic``), so that the first
+    batch compiles the one shape-dynamic graph every later batch reuses, instead of a
+    static graph that the second shape replaces (``eagle3fn.compiled``)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for x in (Q, K, V):
+        mark(x, 2)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        t = getattr(block_mask, name, None)
+        if t is not None:
+            for dim in range(2, t.dim()):
+                mark(t, dim)
+
+
+def _lse_request() -> dict:
+    """The FlexAttention argument that asks for the log-sum-exp: ``return_aux`` where this
+    torch has it (``return_lse`` is deprecated there, and its one-time warning changes a
+    global that dynamo guards on: one recompilation after the first call)."""
+    from torch.nn.attention import flex_attention as fa
+
+    return dict(return_aux=fa.AuxRequest(lse=True)) if hasattr(fa, "AuxRequest") else dict(return_lse=True)
+
+
+_LSE = _lse_request()
 
 
 def pack_queries(q_NhD: torch.Tensor, num_packed: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The process-wide settings the unrolled objective touches, all of them here.
 
-- ``compiled_flex`` raises ``torch._dynamo.config.cache_size_limit`` (dynamo's
-  recompile budget, shared by every ``torch.compile`` of the process, other
-  libraries' too) to at least 64, once, the first time the compiled FlexAttention is
-  needed. It is never lowered.
+- ``compiled_flex`` (``eagle3fn.compiled``) raises
+  ``torch._dynamo.config.cache_size_limit`` (dynamo's recompile budget, shared by every
+  ``torch.compile`` of the process, other libraries' too) to at least 64, once, the
+  first time the compiled FlexAttention is needed. It is never lowered.
 - ``one_thread`` sets PyTorch's intra-op thread count (``torch.set_num_threads``,
   process-wide) to 1 for the duration of one call and restores it after, also when
   the call raises.
@@ -15,17 +15,7 @@ import functools
 
 import torch
 
-
-@functools.lru_cache(maxsize=1)
-def compiled_flex():
-    """``torch.compile(flex_attention, dynamic=False)``, built once per process."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # Every torch.compile(flex_attention) in the process (other libraries' too) shares
-    # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
-    # path. Each (length, dtype) needs its own kernel, so allow more than the default.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(flex_attention, dynamic=False)
+from eagle3fn.compiled import compiled_flex  # noqa: F401 - the unrolled package's entry
 
 
 def one_thread(fn):

@@ -1,0 +1,113 @@
+"""What eagle3fn compiles, and how: the backend per device, shape-dynamic graphs, and a
+counter of dynamo's recompilations.
+
+Stable shapes. Everything compiled here is compiled shape-dynamic (``dynamic=True``):
+one graph serves every batch length and row count, so a run compiles during its first
+steps and not again (``RecompileCounter`` counts dynamo's recompilations; the loop's
+test and benchmarks/train.py report them). What would still specialise is kept away
+from the boundaries dynamo specialises on: FlexAttention's query and key lengths are at
+least two blocks (``unrolled.attention.MIN_FLEX_BLOCKS``), since dynamo treats sizes 0
+and 1 (one block) as constants.
+
+``compile_on_cpu`` (tests only) makes CPU tensors take the compiled paths too, with a
+chosen dynamo backend, for the duration of a ``with`` block.
+
+A bottom module: it imports nothing of eagle3fn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+_CPU_BACKEND: str | None = None
+"""The dynamo backend CPU tensors are compiled with (``compile_on_cpu``); None: CPU
+tensors run eagerly (the default)."""
+
+
+def compile_backend(device: torch.device) -> str | None:
+    """The ``torch.compile`` backend the compiled paths use for tensors on ``device``:
+    ``"inductor"`` on CUDA; on the CPU None (eager), or ``compile_on_cpu``'s backend."""
+    if device.type == "cuda":
+        return "inductor"
+    return _CPU_BACKEND if device.type == "cpu" else None
+
+
+@contextlib.contextmanager
+def compile_on_cpu(backend: str = "aot_eager"):
+    """Inside the block, CPU tensors take the compiled paths (the elementwise chains of
+    ``draft.fused_on_cuda``, the FlexAttention of the flex path) with dynamo
+    ``backend``: what a test without a GPU needs to see dynamo's guards, hence the
+    recompilations a CUDA run would have. Not for training: ``aot_eager`` is slower than
+    eager, and FlexAttention refuses a backward on the CPU (a test lifts that check)."""
+    global _CPU_BACKEND
+    before, _CPU_BACKEND = _CPU_BACKEND, backend
+    try:
+        yield
+    finally:
+        _CPU_BACKEND = before
+
+
+@functools.lru_cache(maxsize=4)
+def compiled_flex(backend: str = "inductor"):
+    """``torch.compile(flex_attention, dynamic=True)`` with ``backend``, built once
+    per process and backend."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every torch.compile(flex_attention) in the process (other libraries' too) shares
+    # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
+    # path. A run needs one graph per dtype and grad mode; leave room for others.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
+
+
+class RecompileCounter:
+    """Counts dynamo's recompilations in this process while open: its "Recompiling
+    function" log events (the ``recompiles`` log artifact is turned on) and the times a
+    function hit dynamo's recompile limit (after which it runs uncompiled), keeping the
+    first ``keep`` messages (one line each). ``graphs()``: dynamo's unique graphs so far.
+    Use as a context manager or call ``close()``; torch's log settings go back to their
+    defaults on close."""
+
+    def __init__(self, keep: int = 5) -> None:
+        import torch._logging
+
+        self.count, self.limit_hits, self.examples, self.keep = 0, 0, [], keep
+        torch._logging.set_logs(recompiles=True)
+        counter = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if message.startswith("Recompiling function"):
+                    counter.count += 1
+                elif message.startswith("torch._dynamo hit config."):
+                    counter.limit_hits += 1
+                else:
+                    return
+                if len(counter.examples) < counter.keep:
+                    counter.examples.append(" ".join(message.split())[:300])
+        self.handler = Handler()
+        logging.getLogger("torch._dynamo").addHandler(self.handler)
+
+    def __enter__(self) -> "RecompileCounter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop counting; torch's log settings back to their defaults."""
+        import torch._logging
+
+        logging.getLogger("torch._dynamo").removeHandler(self.handler)
+        torch._logging.set_logs()
+
+    @staticmethod
+    def graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
