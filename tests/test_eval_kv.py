@@ -22,6 +22,7 @@ import torch
 import eagle3fn.speculative as spec
 from eagle3fn.speculative import SpecConfig, evaluate, generate, speculative_generate, target_generate
 from test_speculative import V, greedy, make_draft, make_target
+from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
 PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61], [44, 12])
 NEW = 14
@@ -173,3 +174,30 @@ def test_evaluate_reports_speed(target):
         evaluate(target, params, cfg, d2t, prompts(), SpecConfig(), batch_size=0)
     with pytest.raises(ValueError, match="non-empty prompts"):
         generate(target, None, params, cfg, d2t, [torch.tensor([], dtype=torch.long)], SpecConfig())
+
+
+def test_eval_cli_prompts_file(workdir, tmp_path, capsys):  # noqa: F811
+    """``eagle3fn eval --prompts FILE``: the first --num-prompts conversations of any chat
+    JSONL, timed beside the target alone; more than the file holds, or a missing file,
+    is a one-line error naming the value."""
+    from eagle3fn.cli.main import main
+    from eagle3fn.cli.run import EvalArgs
+    from eagle3fn.train import train
+    from test_errors import fails_in_one_line
+    from test_train import config
+
+    out = tmp_path / "run"
+    train(config(workdir, out, max_steps=1), log=lambda s: None)
+    capsys.readouterr()
+    data = str(workdir / "chat.jsonl")
+    main(["eval", "--run", str(out), "--prompts", data, "--num-prompts", "3", "--max-new-tokens", "5",
+          "--num-draft-tokens", "2", "--batch-size", "2"])
+    printed = capsys.readouterr().out
+    assert f"3 prompts from {data}, 15 tokens: acceptance length" in printed and "note:" not in printed
+    assert "tokens/s with the draft" in printed and "speedup" in printed and "3/3 outputs identical" in printed
+    fails_in_one_line(capsys, ["eval", "--run", str(out), "--prompts", data, "--num-prompts", "9"], 2,
+                      "--num-prompts 9 but", "has 8 conversations", "--num-prompts 8 or less")
+    fails_in_one_line(capsys, ["eval", "--run", str(out), "--prompts", str(tmp_path / "nope.jsonl")], 2,
+                      "nope.jsonl")
+    with pytest.raises(ValueError, match="--batch-size 0 must be >= 1"):
+        EvalArgs(batch_size=0)
