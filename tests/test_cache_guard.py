@@ -393,3 +393,16 @@ def test_bad_flags_and_paths_fail_before_the_target_loads(workdir, tmp_path, cap
     _, err = cli_error(capsys, base + ["--model.device", "cuda"], 2)
     assert "--device cuda but torch sees no GPU" in err
     assert not (tmp_path / "c").exists()
+
+
+def test_verify_names_a_shard_whose_index_disagrees_with_its_tensors(workdir, cache):
+    """A shard whose offsets no longer match its rows (checksum updated to match) loads
+    fine but is reported by verify; the untouched shards are not."""
+    t = load_file(str(cache / SHARD1))
+    t["offsets"][-1] -= 1
+    save_file(t, str(cache / SHARD1))
+    m = manifest(cache)
+    m["shards"][1].update(file_fingerprint(cache / SHARD1))
+    (cache / MANIFEST).write_text(json.dumps(m))
+    assert [(f.name, f.problem) for f in verify_cache(cache).broken] == [
+        (SHARD1, "index does not match its tensors (offsets, ids, aux, teacher rows)")]
