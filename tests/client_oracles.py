@@ -322,3 +322,124 @@ def speculators_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
     finally:
         hook.remove()
     return out
+
+
+# Modules vLLM's import chain names (serving, structured output, telemetry) that its
+# EAGLE-3 weight loading never calls.
+VLLM_STAND_INS = ("aiohttp", "cloudpickle", "cpuinfo", "llguidance", "prometheus_client", "uvloop",
+                  "xgrammar", "zmq")
+_VLLM = None
+
+
+def vllm_eagle3():
+    """vLLM's ``llama_eagle3`` module (skips when vLLM is absent). Its compiled ops
+    (``vllm._C``) are absent on a CPU-only install: vLLM itself logs that and goes on."""
+    global _VLLM
+    if _VLLM is not None:
+        return _VLLM
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (README's test command installs 0.34.0)")
+    import transformers.models.auto.processing_auto  # noqa: F401
+
+    finder = _StandInFinder([r for r in VLLM_STAND_INS if importlib.util.find_spec(r) is None])
+    sys.meta_path.append(finder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module("vllm.model_executor.models.llama_eagle3")
+            importlib.import_module("vllm.model_executor.layers.linear")
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
+            del sys.modules[name]
+    _VLLM = module
+    return module
+
+
+def vllm_draft(export_dir: Path, target_vocab_size: int):
+    """vLLM's ``Eagle3LlamaForCausalLM.load_weights`` (and its ``LlamaModel.load_weights``
+    with ``hf_to_vllm_mapper``, ``AutoWeightsLoader``, the layers' own weight loaders)
+    run on the export's ``model.safetensors``.
+
+    vLLM's model ``__init__`` needs a whole engine config (a served target, a compile
+    config), so the module tree it builds is stood in for here: vLLM's own layer classes
+    (``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
+    ``ReplicatedLinear``, ``VocabParallelEmbedding``, ``ParallelLMHead``, ``RMSNorm``) at
+    one tensor-parallel rank, placed and sized as ``llama_eagle3.py`` 0.34 places them
+    from the export's ``config.json`` (read with ``AutoConfig``), with its
+    ``draft_id_to_target_id`` only when ``draft_vocab_size != target_vocab_size``.
+    Raises what vLLM's loader raises for a name it has no parameter for."""
+    module = vllm_eagle3()
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    parallel_state._TP = SimpleNamespace(world_size=1, rank_in_group=0)
+    # vLLM's tests' default_vllm_config, on the CPU (no accelerator platform is found)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        return _vllm_draft(module, export_dir, target_vocab_size)
+
+
+def _vllm_draft(module, export_dir: Path, target_vocab_size: int):
+    from transformers import AutoConfig
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    config = AutoConfig.from_pretrained(str(export_dir))
+    if getattr(config, "draft_vocab_size", None) is None:
+        config.draft_vocab_size = config.vocab_size
+    H, eps = config.hidden_size, config.rms_norm_eps
+    d = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    Ht = getattr(config, "target_hidden_size", H)
+    eagle = getattr(config, "eagle_config", None) or {}
+
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.qkv_proj = QKVParallelLinear(2 * H, d, config.num_attention_heads,
+                                                 config.num_key_value_heads, bias=False)
+    layer.self_attn.o_proj = RowParallelLinear(config.num_attention_heads * d, H, bias=False)
+    layer.mlp = nn.Module()
+    layer.mlp.gate_up_proj = MergedColumnParallelLinear(H, [config.intermediate_size] * 2, bias=False)
+    layer.mlp.down_proj = RowParallelLinear(config.intermediate_size, H, bias=False)
+    for name in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+        setattr(layer, name, RMSNorm(H, eps=eps))
+
+    class Model(nn.Module):
+        load_weights = module.LlamaModel.load_weights
+        hf_to_vllm_mapper = module.LlamaModel.hf_to_vllm_mapper
+
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    class Draft(nn.Module, SupportsEagle3):  # the interface sets has_own_embed_tokens
+        load_weights = module.Eagle3LlamaForCausalLM.load_weights
+
+    model = Model()
+    model.config = config
+    model.use_aux_hidden_state = eagle.get("use_aux_hidden_state", True)
+    model.norm_before_fc = bool(eagle.get("norm_before_fc", getattr(config, "norm_before_fc", False)))
+    model.embed_tokens = VocabParallelEmbedding(config.vocab_size, H)
+    model.layers = nn.ModuleList([layer])
+    model.fc_norm = (nn.ModuleList([RMSNorm(Ht, eps=eps) for _ in range(3)])
+                     if getattr(config, "fc_norm", False) else None)
+    model.fc = ReplicatedLinear(3 * Ht, H, bias=False, return_bias=False)
+    model.norm = RMSNorm(H, eps=eps)
+    draft = Draft()
+    draft.config = config
+    draft.model = model
+    draft.lm_head = ParallelLMHead(config.draft_vocab_size, H)
+    draft.draft_id_to_target_id = (
+        nn.Parameter(torch.zeros(config.draft_vocab_size, dtype=torch.long), requires_grad=False)
+        if config.draft_vocab_size != target_vocab_size else None)
+    with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
+        draft.load_weights((k, f.get_tensor(k)) for k in f.keys())
+    return draft

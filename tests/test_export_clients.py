@@ -264,3 +264,66 @@ def test_cli_exports_a_run_speculators_loads(tmp_path):
     assert max_error(ours, theirs) <= TOL
     assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in run["aux_layer_ids"]]
     assert model.config.speculators_config.verifier.name_or_path == str(tmp_path / "model")
+
+
+# --- vLLM: its EAGLE-3 weight loading takes the export as written ------------------------
+
+VLLM_VARIANTS = ["default", "fc_norm", "vocab_full", "vocab_subset", "width"]
+
+
+def _vllm(export_dir):
+    return pytest.importorskip("client_oracles").vllm_draft(export_dir, target_vocab_size=96)
+
+
+def _expected_vllm_params(export_dir):
+    """vLLM parameter name -> the export's tensor(s) it must hold after loading: q/k/v
+    and gate/up stacked in that order (one tensor-parallel rank), ``midlayer.`` read as
+    ``layers.0.``, d2t as ``draft_id_to_target_id``."""
+    with safe_open(str(export_dir / WEIGHTS), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    expected = {
+        "model.layers.0.self_attn.qkv_proj.weight": torch.cat([state.pop(attn + f"{x}_proj.weight")
+                                                               for x in "qkv"]),
+        "model.layers.0.mlp.gate_up_proj.weight": torch.cat([state.pop(mlp + f"{x}_proj.weight")
+                                                             for x in ("gate", "up")]),
+    }
+    state.pop("t2d", None)
+    if "d2t" in state:
+        expected["draft_id_to_target_id"] = state.pop("d2t")
+    expected["lm_head.weight"] = state.pop("lm_head.weight")
+    expected.update({"model." + k.replace("midlayer.", "layers.0."): v for k, v in state.items()})
+    return expected
+
+
+@pytest.mark.parametrize("variant", VLLM_VARIANTS)
+def test_vllm_loads_every_export_tensor(tmp_path, variant):
+    cfg, t2d, _, _ = _export(tmp_path, variant)
+    draft = _vllm(tmp_path)
+    params = dict(draft.named_parameters())
+    expected = _expected_vllm_params(tmp_path)
+    # Every parameter vLLM builds is loaded (the embedding comes from the target unless shipped).
+    assert set(params) - set(expected) == ({"model.embed_tokens.weight"} if variant != "width" else set())
+    for name, tensor in expected.items():
+        # VocabParallelEmbedding / ParallelLMHead pad their rows to a multiple of 64.
+        assert torch.equal(params[name][:tensor.shape[0]], tensor), name
+    assert (draft.draft_id_to_target_id is None) == (cfg.draft_vocab_size == 96)
+    # The draft's own embedding is used only when it ships one (H != Ht).
+    assert getattr(draft, "has_own_embed_tokens", False) == (variant == "width")
+    if cfg.draft_vocab_size < 96:  # vLLM scatters draft logits to arange(Vd) + d2t
+        targets = torch.arange(cfg.draft_vocab_size) + draft.draft_id_to_target_id
+        assert torch.equal(targets, t2d.nonzero().flatten())
+
+
+def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(tmp_path):
+    """Control: the layout before this fix (d2t/t2d also when Vd == V) is what vLLM's
+    loader rejects; so is an fc_norm export whose config drops fc_norm."""
+    cfg, _, _, _ = _export(tmp_path / "full", "vocab_full")
+    _edit(tmp_path / "full", tensors=lambda s: s.update(
+        d2t=torch.zeros(96, dtype=torch.int64), t2d=torch.ones(96, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="draft_id_to_target_id"):
+        _vllm(tmp_path / "full")
+    _export(tmp_path / "fc", "fc_norm")
+    _edit(tmp_path / "fc", config={"fc_norm": None})
+    with pytest.raises(ValueError, match="fc_norm"):
+        _vllm(tmp_path / "fc")
