@@ -10,16 +10,22 @@ replaced here, and only that:
   rank's parallel groups are published as SGLang's own tests publish them
   (``sglang.test.parallel_groups``); its ``RadixAttention`` (the paged-KV attention
   backend) is replaced by ``TTTAttention``, the training-time-test pattern.
-* speculators 0.9.0 (``speculators convert`` and ``Eagle3DraftModel``): its CLI and
-  model import without stand-ins once the few packages its import needs are present
-  (README's test command installs them with ``--no-deps``).
+* speculators 0.9.0 (``Eagle3DraftModel.from_pretrained`` and its own TTT forward):
+  its data-generation and HTTP imports are stand-ins; ``loguru`` is real.
+* vLLM 0.34.0 (``llama_eagle3.py``'s weight loading): its model ``__init__`` needs a
+  whole engine, so ``vllm_draft`` stands in for the module tree with vLLM's own layers.
+
+Importing SGLang or vLLM patches transformers and other process-wide state, so the tests
+call the ``run_*`` functions in a separate worker process (``worker`` below), never in
+the pytest process.
 
 Legend: B batch, S sequence, N = B*S flattened tokens, h heads, g kv heads, d head dim,
-H draft hidden, Ht target hidden, Vd draft vocab.
+H draft hidden, Ht target hidden, V target vocab, Vd draft vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -443,3 +449,57 @@ def _vllm_draft(module, export_dir: Path, target_vocab_size: int):
     with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
         draft.load_weights((k, f.get_tensor(k)) for k in f.keys())
     return draft
+
+
+# --- the worker process ------------------------------------------------------------------
+
+CLIENTS = {"sglang": "SGLang 0.5.23", "speculators": "speculators 0.9.0", "vllm": "vLLM 0.34.0"}
+
+
+def require(client: str) -> None:
+    """Skip the calling test when ``client`` is not installed (checked without importing)."""
+    if importlib.util.find_spec(client) is None:
+        pytest.skip(f"{CLIENTS[client]} is not installed (README's test command installs it)")
+
+
+@contextlib.contextmanager
+def worker():
+    """A callable ``call(name, *args)`` running ``client_oracles.<name>(*args)`` in one
+    spawned process (clients imported there once), for the ``with`` block."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda name, *args: pool.submit(_call, name, args).result()
+
+
+def _call(name, args):
+    torch.use_deterministic_algorithms(True)
+    return globals()[name](*args)
+
+
+def run_sglang(export_dir, target_embed, input_ids, aux, attention_mask, ttt_length):
+    """``(per-step logits, hot_token_id)`` of SGLang's draft loaded from ``export_dir``."""
+    model = sglang_draft(Path(export_dir), target_embed)
+    logits = sglang_ttt_logits(model, input_ids, aux, attention_mask, ttt_length)
+    return logits, model.get_hot_token_id()
+
+
+def run_speculators(export_dir, input_ids, aux, attention_mask, ttt_length):
+    """``(per-step logits, facts)`` of speculators' ``Eagle3DraftModel`` loaded from
+    ``export_dir``; ``facts``: aux ids after ``from_pretrained``, whether fc_norm was
+    built, embedding, d2t, t2d and the verifier path it names."""
+    model = speculators_draft(Path(export_dir))
+    logits = speculators_ttt_logits(model, input_ids, aux, attention_mask, ttt_length)
+    facts = {"aux_ids": list(model.config.eagle_aux_hidden_state_layer_ids),
+             "fc_norm": model.fc_norm is not None, "embed": model.embed_tokens.weight.detach(),
+             "d2t": model.d2t, "t2d": model.t2d,
+             "verifier": model.config.speculators_config.verifier.name_or_path}
+    return logits, facts
+
+
+def run_vllm(export_dir, target_vocab_size):
+    """``(parameters by name, has_own_embed_tokens)`` after vLLM's loader took the export."""
+    draft = vllm_draft(Path(export_dir), target_vocab_size)
+    params = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    return params, getattr(draft, "has_own_embed_tokens", False)

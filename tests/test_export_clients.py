@@ -1,22 +1,29 @@
 """The serving clients' own code loads ``eagle3fn export`` and computes eagle3fn's draft.
 
-SGLang 0.5.23's ``LlamaForCausalLMEagle3`` (config through ``AutoConfig``, weights
-through its ``load_weights``, the target's embedding through ``set_embed``; only its
-paged attention replaced by the training-time-test pattern, ``client_oracles``) gives
-the per-step draft logits of eagle3fn's draft loaded back with ``load_export``, fp32,
-within 1e-5, for every draft variant; each variant's negative control is a broken
-export (weight, config field or vocab map) that the same comparison catches.
+* SGLang 0.5.23's ``LlamaForCausalLMEagle3`` (config through ``AutoConfig``, weights
+  through its ``load_weights``, the target's embedding through ``set_embed``; only its
+  paged attention replaced by the training-time-test pattern) gives the per-step draft
+  logits of eagle3fn's draft loaded back with ``load_export``, fp32, within 1e-5.
+* speculators 0.9.0's ``Eagle3DraftModel.from_pretrained`` loads ``--format
+  speculators`` and its own TTT forward gives the same logits.
+* vLLM 0.34.0's EAGLE-3 weight loading takes every tensor of the export.
+
+Each variant's negative control is a broken export (weight, config field or vocab map)
+that the same check catches. The clients run in one worker process
+(``client_oracles.worker``): importing them patches transformers process-wide.
 """
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3fn.io.export import CONFIG, WEIGHTS, export_draft, load_export
+import client_oracles
+from eagle3fn.io.export import CONFIG, WEIGHTS, export_draft, export_speculators, load_export
 from test_export import AUX, TARGET, B, K, S, eagle3fn_logits, make_draft, make_features, max_error
 
 TOL = 1e-5
@@ -49,12 +56,20 @@ def _ours(export_dir, target_embed, features):
     return eagle3fn_logits(cfg, params, features), d2t, t2d
 
 
-def _sglang(export_dir, target_embed, features):
-    oracles = pytest.importorskip("client_oracles")
-    model = oracles.sglang_draft(export_dir, target_embed)
-    logits = oracles.sglang_ttt_logits(model, features.input_ids, features.aux,
-                                       features.attention_mask, K)
-    return logits, model
+@pytest.fixture(scope="module")
+def call():
+    """``call(name, *args)``: ``client_oracles.<name>`` in the clients' worker process."""
+    with client_oracles.worker() as run:
+        yield run
+    # The clients never ran in this process (their imports patch transformers).
+    assert not {n.split(".")[0] for n in sys.modules} & set(client_oracles.CLIENTS)
+
+
+def _sglang(call, export_dir, target_embed, features):
+    """(per-step logits, hot_token_id) of SGLang's draft loaded from ``export_dir``."""
+    client_oracles.require("sglang")
+    return call("run_sglang", str(export_dir), target_embed, features.input_ids, features.aux,
+                features.attention_mask, K)
 
 
 def _edit(export_dir, *, config=None, tensors=None):
@@ -93,35 +108,34 @@ CONTROLS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_sglang_computes_our_draft(tmp_path, variant):
+def test_sglang_computes_our_draft(call, tmp_path, variant):
     cfg, t2d, target_embed, features = _export(tmp_path, variant)
     with safe_open(str(tmp_path / WEIGHTS), framework="pt") as f:
         assert ("d2t" in f.keys()) == ("t2d" in f.keys()) == (cfg.draft_vocab_size < 96)
     ours, _, t2d_back = _ours(tmp_path, target_embed, features)
-    theirs, model = _sglang(tmp_path, target_embed, features)
+    theirs, hot = _sglang(call, tmp_path, target_embed, features)
     assert [t.shape for t in theirs] == [(B, S, cfg.draft_vocab_size)] * K
     assert max_error(ours, theirs) <= TOL
     # SGLang's draft-to-target ids are the target ids t2d selects, in order (or none).
-    hot = model.get_hot_token_id()
     if cfg.draft_vocab_size < 96:
         assert torch.equal(hot, t2d.nonzero().flatten())
     else:
         assert hot is None and torch.equal(t2d_back, torch.ones(96, dtype=torch.bool))
     # Negative control: the same comparison catches this variant's broken export.
     _edit(tmp_path, **CONTROLS[variant])
-    broken, _ = _sglang(tmp_path, target_embed, features)
+    broken, _ = _sglang(call, tmp_path, target_embed, features)
     assert max_error(ours, broken) > 1e-3
 
 
-def test_sglang_vocab_map_control(tmp_path):
+def test_sglang_vocab_map_control(call, tmp_path):
     """A d2t shifted by one draft id gives SGLang other target ids (caught)."""
     cfg, t2d, target_embed, _ = _export(tmp_path, "vocab_subset")
     _edit(tmp_path, tensors=lambda s: s.__setitem__("d2t", s["d2t"].roll(1)))
-    _, model = _sglang(tmp_path, target_embed, make_features())
-    assert not torch.equal(model.get_hot_token_id(), t2d.nonzero().flatten())
+    _, hot = _sglang(call, tmp_path, target_embed, make_features())
+    assert not torch.equal(hot, t2d.nonzero().flatten())
 
 
-def test_norm_output_false_is_refused_because_sglang_computes_otherwise(tmp_path):
+def test_norm_output_false_is_refused_because_sglang_computes_otherwise(call, tmp_path):
     """A norm_output=False draft (logits of the un-normed output) is refused in one line;
     SGLang's own norm_output key (written as the old export did) runs another draft."""
     cfg, params, d2t, t2d, target_embed = make_draft(norm_output=False)
@@ -134,7 +148,7 @@ def test_norm_output_false_is_refused_because_sglang_computes_otherwise(tmp_path
                  t2d=t2d, aux_layer_ids=AUX, dtype=torch.float32)
     for value in (False, True):
         _edit(tmp_path, config={"norm_output": value})
-        theirs, _ = _sglang(tmp_path, target_embed, features)
+        theirs, _ = _sglang(call, tmp_path, target_embed, features)
         assert max_error(ours, theirs) > 1e-2
     # The normed-state variant SGLang's key selects is refused on load, not misread.
     with pytest.raises(ValueError, match="norm_output is true"):
@@ -144,12 +158,9 @@ def test_norm_output_false_is_refused_because_sglang_computes_otherwise(tmp_path
 # --- speculators: --format speculators, loaded by its own from_pretrained ---------------
 
 def _export_speculators(tmp_path, variant):
-    from eagle3fn.io.export import export_speculators
-
     args = VARIANTS[variant]
     cfg, params, d2t, t2d, target_embed = make_draft(**args)
-    oracles = pytest.importorskip("client_oracles")
-    target = oracles.tiny_target(tmp_path / "target", target_embed,
+    target = client_oracles.tiny_target(tmp_path / "target", target_embed,
                                  num_layers=TARGET["num_hidden_layers"])
     out = export_speculators(tmp_path / "draft", params, cfg, d2t=d2t, t2d=t2d,
                              aux_layer_ids=AUX, target_config=TARGET, target_path=str(target),
@@ -157,12 +168,11 @@ def _export_speculators(tmp_path, variant):
     return cfg, params, d2t, t2d, target_embed, out
 
 
-def _speculators(export_dir, features):
-    oracles = pytest.importorskip("client_oracles")
-    model = oracles.speculators_draft(export_dir)
-    logits = oracles.speculators_ttt_logits(model, features.input_ids, features.aux,
-                                            features.attention_mask, K)
-    return logits, model
+def _speculators(call, export_dir, features):
+    """(per-step logits, facts) of speculators' model loaded from ``export_dir``."""
+    client_oracles.require("speculators")
+    return call("run_speculators", str(export_dir), features.input_ids, features.aux,
+                features.attention_mask, K)
 
 
 def _real_rows(logits, features):
@@ -191,29 +201,28 @@ def _break_speculators(export_dir, control):
 
 
 @pytest.mark.parametrize("variant", list(SPECULATORS_CONTROLS))
-def test_speculators_loads_our_layout(tmp_path, variant):
+def test_speculators_loads_our_layout(call, tmp_path, variant):
+    client_oracles.require("speculators")
     cfg, params, d2t, t2d, target_embed, out = _export_speculators(tmp_path, variant)
     features = make_features()
     ours = _real_rows(eagle3fn_logits(cfg, params, features), features)
-    theirs, model = _speculators(out, features)
+    theirs, facts = _speculators(call, out, features)
     assert max_error(ours, _real_rows(theirs, features)) <= TOL
     # Output-of-layer ids i are speculators' (and vLLM's) capture-before ids i + 1,
     # checked by its from_pretrained against the verifier's layer count.
-    assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in AUX]
-    assert (model.fc_norm is not None) == cfg.fc_norm
-    assert torch.equal(model.embed_tokens.weight, target_embed)
+    assert facts["aux_ids"] == [i + 1 for i in AUX]
+    assert facts["fc_norm"] == cfg.fc_norm
+    assert torch.equal(facts["embed"], target_embed)
     if cfg.draft_vocab_size < cfg.vocab_size:
-        assert torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)
+        assert torch.equal(facts["d2t"], d2t) and torch.equal(facts["t2d"], t2d)
     else:
-        assert model.d2t is None and model.t2d is None
+        assert facts["d2t"] is None and facts["t2d"] is None
     _break_speculators(out, SPECULATORS_CONTROLS[variant])
-    broken, _ = _speculators(out, features)
+    broken, _ = _speculators(call, out, features)
     assert max_error(ours, _real_rows(broken, features)) > 1e-3
 
 
 def test_speculators_refuses_what_it_cannot_represent(tmp_path):
-    from eagle3fn.io.export import export_speculators
-
     cfg, params, d2t, t2d, _ = make_draft(target_hidden=24)
     kw = dict(d2t=d2t, t2d=t2d, aux_layer_ids=AUX, target_path="target")
     with pytest.raises(ValueError, match="hidden_size=32 differs from the target's 24.*--format eagle3"):
@@ -229,7 +238,7 @@ def test_speculators_refuses_what_it_cannot_represent(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_exports_a_run_speculators_loads(tmp_path):
+def test_cli_exports_a_run_speculators_loads(call, tmp_path):
     """``eagle3fn export --format speculators`` of a trained run: speculators' model
     computes the run's draft (target embedding read from the target) on its rows."""
     from recorders import save_tiny_target, write_tiny_chat
@@ -241,7 +250,7 @@ def test_cli_exports_a_run_speculators_loads(tmp_path):
     from eagle3fn.train.checkpoint import load_run
     from eagle3fn.train.config import TrainConfig
 
-    pytest.importorskip("client_oracles").speculators_eagle3()
+    client_oracles.require("speculators")
     save_tiny_target(tmp_path / "model")
     write_tiny_chat(tmp_path / "chat.jsonl", 4)
     run_dir = tmp_path / "run"
@@ -260,10 +269,10 @@ def test_cli_exports_a_run_speculators_loads(tmp_path):
                         aux=torch.randn(B, S, 3 * cfg.ht, generator=g),
                         attention_mask=torch.ones(B, S, dtype=torch.long))
     ours = eagle3fn_logits(cfg, params, features)
-    theirs, model = _speculators(tmp_path / "draft", features)
+    theirs, facts = _speculators(call, tmp_path / "draft", features)
     assert max_error(ours, theirs) <= TOL
-    assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in run["aux_layer_ids"]]
-    assert model.config.speculators_config.verifier.name_or_path == str(tmp_path / "model")
+    assert facts["aux_ids"] == [i + 1 for i in run["aux_layer_ids"]]
+    assert facts["verifier"] == str(tmp_path / "model")
 
 
 # --- vLLM: its EAGLE-3 weight loading takes the export as written ------------------------
@@ -271,8 +280,10 @@ def test_cli_exports_a_run_speculators_loads(tmp_path):
 VLLM_VARIANTS = ["default", "fc_norm", "vocab_full", "vocab_subset", "width"]
 
 
-def _vllm(export_dir):
-    return pytest.importorskip("client_oracles").vllm_draft(export_dir, target_vocab_size=96)
+def _vllm(call, export_dir):
+    """(parameters by name, has_own_embed_tokens) after vLLM's loader took the export."""
+    client_oracles.require("vllm")
+    return call("run_vllm", str(export_dir), 96)
 
 
 def _expected_vllm_params(export_dir):
@@ -297,33 +308,32 @@ def _expected_vllm_params(export_dir):
 
 
 @pytest.mark.parametrize("variant", VLLM_VARIANTS)
-def test_vllm_loads_every_export_tensor(tmp_path, variant):
+def test_vllm_loads_every_export_tensor(call, tmp_path, variant):
     cfg, t2d, _, _ = _export(tmp_path, variant)
-    draft = _vllm(tmp_path)
-    params = dict(draft.named_parameters())
+    params, own_embedding = _vllm(call, tmp_path)
     expected = _expected_vllm_params(tmp_path)
     # Every parameter vLLM builds is loaded (the embedding comes from the target unless shipped).
     assert set(params) - set(expected) == ({"model.embed_tokens.weight"} if variant != "width" else set())
     for name, tensor in expected.items():
         # VocabParallelEmbedding / ParallelLMHead pad their rows to a multiple of 64.
         assert torch.equal(params[name][:tensor.shape[0]], tensor), name
-    assert (draft.draft_id_to_target_id is None) == (cfg.draft_vocab_size == 96)
+    assert ("draft_id_to_target_id" not in params) == (cfg.draft_vocab_size == 96)
     # The draft's own embedding is used only when it ships one (H != Ht).
-    assert getattr(draft, "has_own_embed_tokens", False) == (variant == "width")
+    assert own_embedding == (variant == "width")
     if cfg.draft_vocab_size < 96:  # vLLM scatters draft logits to arange(Vd) + d2t
-        targets = torch.arange(cfg.draft_vocab_size) + draft.draft_id_to_target_id
+        targets = torch.arange(cfg.draft_vocab_size) + params["draft_id_to_target_id"]
         assert torch.equal(targets, t2d.nonzero().flatten())
 
 
-def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(tmp_path):
+def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(call, tmp_path):
     """Control: the layout before this fix (d2t/t2d also when Vd == V) is what vLLM's
     loader rejects; so is an fc_norm export whose config drops fc_norm."""
     cfg, _, _, _ = _export(tmp_path / "full", "vocab_full")
     _edit(tmp_path / "full", tensors=lambda s: s.update(
         d2t=torch.zeros(96, dtype=torch.int64), t2d=torch.ones(96, dtype=torch.bool)))
     with pytest.raises(ValueError, match="draft_id_to_target_id"):
-        _vllm(tmp_path / "full")
+        _vllm(call, tmp_path / "full")
     _export(tmp_path / "fc", "fc_norm")
     _edit(tmp_path / "fc", config={"fc_norm": None})
     with pytest.raises(ValueError, match="fc_norm"):
-        _vllm(tmp_path / "fc")
+        _vllm(call, tmp_path / "fc")
