@@ -244,6 +244,7 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
     from pathlib import Path
 
     from eagle3fn.train import CHECKPOINT, METRICS
+    from eagle3fn.train.checkpoint import BEST
     from eagle3fn.train.metrics import read_metrics
 
     out = Path(out_dir)
@@ -272,5 +273,13 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
         h = held[-1]
         print(f"held-out training objective at step {h['step']}: loss {h['loss']:.4f}, "
               f"acc per step {[round(a, 2) for a in h['acc']]}, simulated tau {h['tau']:.2f}")
+    during = [r for r in held if "acceptance_length" in r]
+    if during:
+        steps = ", ".join(f"step {r['step']}: {r['acceptance_length']:.2f}" for r in during)
+        best = max(during, key=lambda r: r["acceptance_length"])  # first of equals, as training keeps
+        print(f"acceptance length during training ({during[-1]['accept_tokens']} new tokens of held-out prompts "
+              f"per evaluation): {steps}; best: step {best['step']} ({BEST})")
     print(f"checkpoint  {out / CHECKPOINT}\nmetrics     {out / METRICS}\nplot        {out / 'loss.png'}")
     print(f"export      eagle3fn export --run {q} --out {shlex.quote(str(out / 'draft'))}")
+    if (out / BEST).exists():
+        print(f"export best eagle3fn export --run {q} --out {shlex.quote(str(out / 'draft-best'))} --best")

@@ -127,3 +127,26 @@ def test_recorded_acceptance_is_real_decoding(workdir, tmp_path, capsys):  # noq
 def test_config_errors(workdir, tmp_path, kw, needle):  # noqa: F811
     with pytest.raises(ValueError, match=needle):
         TrainConfig(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), **kw)
+
+
+def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The demo's closing table: each draft's tokens/s and speedup, the target alone, the
+    acceptance length at every evaluation with the best step, and the --best export."""
+    import eagle3fn.cli.run as cli_run
+
+    out = tmp_path / "run"
+    scripted(monkeypatch, [1.5, 2.5, 2.0])
+    train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=3), log=lambda s: None)
+    fake = dict(tokens=8, acceptance_length=1.25, simulated_tau=1.5, tokens_per_s=30.0, speedup=0.75,
+                target_tokens_per_s=40.0, n_prompts=2, held_out=True)
+    monkeypatch.setattr(cli_run, "evaluate", lambda args: {**fake, "step": 0 if args.untrained else 3})
+    capsys.readouterr()
+    cli_run.demo_report(str(out), num_prompts=2, max_new_tokens=4, untrained_new_tokens=4)
+    lines = capsys.readouterr().out.splitlines()
+    trained = next(line for line in lines if line.strip().startswith("trained (step 3)"))
+    assert trained.split()[3:8] == ["8", "1.25", "1.50", "30.0", "0.75x"]
+    assert next(line for line in lines if line.strip().startswith("target alone")).split()[2:5] == \
+        ["1.00", "40.0", "1.00x"]
+    during = next(line for line in lines if line.startswith("acceptance length during training"))
+    assert "step 1: 1.50, step 2: 2.50, step 3: 2.00; best: step 2" in during
+    assert f"eagle3fn export --run {out} --out {out / 'draft-best'} --best" in lines[-1]
