@@ -17,7 +17,8 @@ MAX_DRAFT_TOKENS = 64
 
 @dataclass(kw_only=True)
 class ExportArgs:
-    """Export a trained draft as a directory SGLang and vLLM load as an EAGLE-3 draft."""
+    """Export a trained draft as a directory SGLang and vLLM load as an EAGLE-3 draft
+    (or, with --format speculators, in the vllm-project speculators layout)."""
 
     run: str = "runs/eagle3fn"
     """The training run's out_dir (checkpoint.pt, vocab.safetensors)."""

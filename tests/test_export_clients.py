@@ -337,3 +337,17 @@ def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(call, tmp_path):
     _edit(tmp_path / "fc", config={"fc_norm": None})
     with pytest.raises(ValueError, match="fc_norm"):
         _vllm(call, tmp_path / "fc")
+
+
+def test_cli_speculators_refuses_a_gguf_or_missing_target(tmp_path):
+    """The speculators layout names a safetensors target as its verifier: a run trained
+    on a GGUF file, or without a model, is refused in one line before anything loads."""
+    from eagle3fn.cli.run import ExportArgs, _export_speculators
+    from eagle3fn.errors import UsageError
+
+    args = ExportArgs(run=str(tmp_path), out=str(tmp_path / "out"), format="speculators")
+    for config, what in (({"model": str(tmp_path), "gguf_file": "m.gguf"}, "a GGUF target"),
+                         ({}, "no target model")):
+        with pytest.raises(UsageError, match=f"this run has {what}.*--format eagle3"):
+            _export_speculators(args, {"config": config}, {})
+    assert not (tmp_path / "out").exists()
