@@ -9,6 +9,14 @@ from the boundaries dynamo specialises on: FlexAttention's query and key lengths
 least two blocks (``unrolled.attention.MIN_FLEX_BLOCKS``), since dynamo treats sizes 0
 and 1 (one block) as constants.
 
+Inductor itself adds guards where it decides by size: its "mix-order reduction" (the
+fused row and column reductions of an RMSNorm's backward) is taken only above size
+thresholds (rows >= 4096, rows >= 2 * columns, rows * columns >= 5 Mi), and each
+threshold is a guard that a batch on its other side breaks (seen on an H200: 3
+recompilations after warm-up in a run whose batches crossed 8192 rows). ``INDUCTOR_OPTIONS``
+turns on its non-strict mode, which skips those checks (the fused kernel at any size),
+so the one graph holds for every length.
+
 ``compile_on_cpu`` (tests only) makes CPU tensors take the compiled paths too, with a
 chosen dynamo backend, for the duration of a ``with`` block.
 
@@ -26,6 +34,17 @@ import torch
 _CPU_BACKEND: str | None = None
 """The dynamo backend CPU tensors are compiled with (``compile_on_cpu``); None: CPU
 tensors run eagerly (the default)."""
+
+
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+"""The inductor options of every eagle3fn compile (module docstring)."""
+
+
+def compiler(fn, backend: str):
+    """``torch.compile(fn, dynamic=True, backend=backend)``, with ``INDUCTOR_OPTIONS``
+    when the backend is inductor."""
+    options = dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
+    return torch.compile(fn, dynamic=True, backend=backend, options=options)
 
 
 def compile_backend(device: torch.device) -> str | None:
@@ -61,7 +80,7 @@ def compiled_flex(backend: str = "inductor"):
     # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
     # path. A run needs one graph per dtype and grad mode; leave room for others.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(flex_attention, dynamic=True, backend=backend)
+    return compiler(flex_attention, backend)
 
 
 class RecompileCounter:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3fn.compiled import compile_backend
+from eagle3fn.compiled import compile_backend, compiler
 from eagle3fn.rope import ROPE_TYPE_KEYS, RopeConfig, RopeType, rope_frequencies  # noqa: F401 - re-exported
 
 
@@ -38,7 +38,7 @@ def fused_on_cuda(fn):
                 or torch._C._functorch.is_functorch_wrapped_tensor(x)):
             return fn(x, *args)
         if backend not in compiled:
-            compiled[backend] = torch.compile(fn, dynamic=True, backend=backend)
+            compiled[backend] = compiler(fn, backend)
         return compiled[backend](x, *args)
 
     wrapper.eager = fn

@@ -364,13 +364,18 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
                          "pass the layout of this step's rows (_plan_steps)")
     start, last = layout.start, layout.last
     Qp = start.shape[0]
+    backend = compile_backend(q_NhD.device)
+    if backend is not None and start.storage_offset() + last.storage_offset():
+        # Slices of the layout's one buffer: dynamo guards a captured tensor's storage
+        # offset against other sizes, which a later batch breaks (one recompilation);
+        # own copies (Qp int64 each) start at offset 0.
+        start, last = start.clone(), last.clone()
 
     def mask_mod(b, head, q_idx, kv_idx):
         return (kv_idx >= start[q_idx]) & (kv_idx <= last[q_idx])
 
     block_mask = packed_block_mask(start, last, N, Lp, mask_mod, tables=layout.tables)
     Q = pack_queries(q_NhD, Qp) if q_packed is None else q_packed
-    backend = compile_backend(q_NhD.device)
     attend = flex_attention if backend is None else compiled_flex(backend)
     if backend is not None:
         _dynamic_lengths(Q, K, V, block_mask)
