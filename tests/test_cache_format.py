@@ -195,3 +195,23 @@ def test_prefetcher_returns_what_a_direct_read_returns(workdir, tmp_path, monkey
     fetch.get(0, (0, 4))
     assert not torch.equal(fetch.get(1, (2, 6)), direct(1, (2, 6)))
     fetch.close()
+
+
+def test_offline_source_pins_and_moves_no_head_per_batch(workdir, tmp_path, monkeypatch):
+    """The background half of a load hands over no target head (it is moved to the
+    device once), so no batch pins or copies ``[V, Ht]``; every batch shares one head."""
+    from eagle3fn.train.sources import offline_source
+
+    cache = prepare_cache(workdir, tmp_path / "c")
+    seen = []
+    import eagle3fn.io.prefetch as prefetch
+
+    real_pin = prefetch.pin
+    monkeypatch.setattr(prefetch, "pin", lambda x: seen.append(x) or real_pin(x))
+    (_, source), _ = offline_source(config(workdir, tmp_path / "run", cache=str(cache)), torch.device("cpu"))
+    order = source.order(0, 0)
+    got = [source.load(source.items[i]) for i in order]
+    handed = [x for x in seen if isinstance(x, tuple)]  # (features, loss_mask) per background load
+    assert handed and all(features.target_head is None for features, _ in handed)
+    assert all(f.target_head is got[0][0].target_head for f, _ in got)  # one head for every batch
+    assert source.take_wait() > 0 and source.take_wait() == 0

@@ -139,9 +139,10 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
 
     def load_host(i, window=None):
         item = cache.read(i, window)
+        features, loss_mask = item.features, item.loss_mask
         if cfg.pack:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
-            return pack_features(item.features, item.loss_mask, cfg.max_length)
-        return item.features, item.loss_mask
+            features, loss_mask = pack_features(features, loss_mask, cfg.max_length)
+        return dataclasses.replace(features, target_head=None), loss_mask  # the head is on the device once
 
     def to_device(host):
         features, loss_mask = host

@@ -21,7 +21,6 @@ from eagle3fn.io.cache import layout
 from eagle3fn.io.cache.store import HEAD, SHARD_KEYS, _file_problem, _nonfinite_row, _repair, read_manifest
 from eagle3fn.shapes import Features
 
-_SMALL = (*layout.INDEX_KEYS,)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class FeatureCache:
         (and ``aux_scale``) as the rows at positions in ``window`` (None: all)."""
         try:
             with self._open(name, entry) as f:
-                t = {k: f.get_tensor(k) for k in _SMALL}
+                t = {k: f.get_tensor(k) for k in layout.INDEX_KEYS}
                 if window is None:
                     t.update({k: f.get_tensor(k) for k in f.keys() if k not in t})
                     return t
