@@ -21,8 +21,10 @@ What one run does:
    target's dtype. Random weights: acceptance is near its floor (1 token per round),
    so the run measures the machinery, not a trained draft.
 3. Prompts: ``--prompts`` lists of ``--prompt-length`` ids drawn uniformly (seeded).
-4. One warm-up ``generate`` and ``target_generate`` of one batch and 8 tokens (CUDA
-   context, cuBLAS handles, allocator), then, each timed after a device sync:
+4. One warm-up ``generate`` and ``target_generate`` of the first batch at full length
+   (CUDA context, cuBLAS handles, and the caching allocator's blocks for every cache
+   length: a cold first pass allocates as the caches grow; its seconds are reported as
+   ``cold_seconds`` / ``cold_target_seconds``), then, each timed after a device sync:
    ``evaluate`` (speculative decoding of every prompt in batches of ``--batch-size``,
    then the target alone on the same batches, ``target_generate``), and the same two
    again with every target forward bracketed by device syncs and timed
@@ -31,6 +33,7 @@ What one run does:
 
 Reported (JSON ``result``):
 
+- ``cold_seconds`` / ``cold_target_seconds``: the warm-up passes (first batch only);
 - ``seconds`` / ``tokens_per_s`` (speculative), ``target_seconds`` /
   ``target_tokens_per_s`` (target alone), ``speedup`` (their tokens/s ratio),
   ``acceptance_length``, ``rounds``, ``same_as_target`` (prompts whose outputs are
@@ -172,9 +175,16 @@ def main(args: EvalBenchArgs) -> dict:
     print(f"{args.shape}: target built/loaded in {build_s:.1f} s; draft H={draft_cfg.hidden_size} "
           f"Vd={draft_cfg.draft_vocab_size}; {args.prompts} prompts x {args.prompt_length} tokens, "
           f"{args.max_new_tokens} new, batches of {args.batch_size}, k={args.num_draft_tokens}", flush=True)
-    warm = spec.SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=8)
-    spec.generate(target, None, params, draft_cfg, d2t, prompts[:args.batch_size], warm)
-    spec.target_generate(target, None, prompts[:args.batch_size], warm)
+    cold = {}
+    for name, fn in (("cold_seconds", lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg)),
+                     ("cold_target_seconds", lambda b: spec.target_generate(target, None, b, cfg))):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn(prompts[:args.batch_size])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        cold[name] = time.perf_counter() - t
     result = spec.evaluate(target, params, draft_cfg, d2t, prompts, cfg, batch_size=args.batch_size)
     print(f"plain: {result['seconds']:.1f} s speculative ({result['tokens_per_s']:.0f} tok/s), "
           f"{result['target_seconds']:.1f} s target alone ({result['target_tokens_per_s']:.0f} tok/s), "
@@ -200,7 +210,7 @@ def main(args: EvalBenchArgs) -> dict:
     rounds = len(verify)
     verify_ms, decode_ms = sum(verify) / rounds, sum(decode) / len(decode)
     overhead = (1e3 * spec_s - sum(verify) - sum(prefill)) / rounds
-    result.update(verify_ms=verify_ms, decode_ms=decode_ms, prefill_ms=sum(prefill), instrumented_seconds=spec_s,
+    result.update(**cold, verify_ms=verify_ms, decode_ms=decode_ms, prefill_ms=sum(prefill), instrumented_seconds=spec_s,
                   overhead_ms_per_round=overhead, overhead_frac=overhead / verify_ms,
                   predicted_speedup_at={tau: tau * decode_ms / (verify_ms + overhead) for tau in (2, 3, 4)},
                   peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)

@@ -141,7 +141,7 @@ def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch):
     assert len({n for t in twins for n in t.accepted_per_round}) >= 3
     real = spec._cached_attend
     monkeypatch.setattr(spec, "_cached_attend",
-                        lambda q, k, v, valid, ok, ov: real(q, k, v, torch.ones_like(valid), ok, ov))
+                        lambda q, k, v, hidden, ok, ov: real(q, k, v, torch.zeros_like(hidden), ok, ov))
     out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4))
     assert [r.tokens for r in out] != [t.tokens for t in twins]
 

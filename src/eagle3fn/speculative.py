@@ -478,16 +478,19 @@ class _Draft:
         emb = self.m.embed_tokens(tokens_N).to(g_NH.dtype)
         return torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_NH)), dim=-1)
 
+    def rope(self, pos_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, N, d]`` at positions ``pos [B, N]`` in the draft's dtype."""
+        return rope_cos_sin(pos_BN, self.cfg.rope, self.cfg.d, self.dtype, False)
+
     def _heads(self, proj: nn.Linear, u_BN2H: torch.Tensor, n: int,
-               pos_BN: torch.Tensor | None) -> torch.Tensor:
-        """``proj(u)`` as ``[B, n, N, d]``, RoPE at ``pos [B, N]`` unless None."""
+               rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``proj(u)`` as ``[B, n, N, d]``, RoPE applied with ``rope`` = cos, sin
+        ``[B, N, d]`` unless None."""
         B, N, _ = u_BN2H.shape
-        d = self.cfg.d
-        x = proj(u_BN2H).view(B, N, n, d).transpose(1, 2)
-        if pos_BN is None:
+        x = proj(u_BN2H).view(B, N, n, self.cfg.d).transpose(1, 2)
+        if rope is None:
             return x
-        cos, sin = rope_cos_sin(pos_BN, self.cfg.rope, d, x.dtype, False)
-        return apply_rope.eager(x, cos[:, None], sin[:, None])
+        return apply_rope.eager(x, rope[0][:, None], rope[1][:, None])
 
     def context(self, aux_BN3: torch.Tensor, next_BN: torch.Tensor, pos_BN: torch.Tensor,
                 keep_BN: torch.Tensor):
@@ -498,7 +501,7 @@ class _Draft:
         g = self.m.project(aux_BN3.to(self.dtype))
         u = self._input(g, next_BN)
         zero = ~keep_BN[:, None, :, None]
-        keys = self._heads(attn.k_proj, u, self.cfg.num_kv_heads, pos_BN).masked_fill(zero, 0)
+        keys = self._heads(attn.k_proj, u, self.cfg.num_kv_heads, self.rope(pos_BN)).masked_fill(zero, 0)
         values = self._heads(attn.v_proj, u, self.cfg.num_kv_heads, None).masked_fill(zero, 0)
         return g, u, keys, values
 
@@ -514,14 +517,16 @@ class _Draft:
         attn = layer.self_attn
         own_k, own_v, tokens, probs = [], [], [], []
         g, u = g_BH[:, None], u_B2H[:, None]
+        cos, sin = self.rope(pos_B[:, None] + torch.arange(k, device=pos_B.device))  # [B, k, d], once
+        hidden = ~valid_BS[:, None, None, :]  # rolled-back and padding slots, once per round
         for j in range(k):
-            pos = (pos_B + j)[:, None]
+            rope = cos[:, j:j + 1], sin[:, j:j + 1]  # position pos + j
             if j:
                 u = self._input(g, tokens[-1][:, None])
-                own_k.append(self._heads(attn.k_proj, u, cfg.num_kv_heads, pos))
+                own_k.append(self._heads(attn.k_proj, u, cfg.num_kv_heads, rope))
                 own_v.append(self._heads(attn.v_proj, u, cfg.num_kv_heads, None))
-            q = self._heads(attn.q_proj, u, cfg.num_heads, pos)
-            a = _cached_attend(q, keys_BgSd, values_BgSd, valid_BS, own_k, own_v)
+            q = self._heads(attn.q_proj, u, cfg.num_heads, rope)
+            a = _cached_attend(q, keys_BgSd, values_BgSd, hidden, own_k, own_v)
             r = g + attn.o_proj(a)
             out = r + layer.mlp(layer.post_attention_layernorm(r))
             token, q_V = choose(self.m.head(out[:, 0]))
@@ -532,10 +537,11 @@ class _Draft:
 
 
 def _cached_attend(q_Bh1d: torch.Tensor, k_BgSd: torch.Tensor, v_BgSd: torch.Tensor,
-                   valid_BS: torch.Tensor, own_k: list[torch.Tensor],
+                   hidden_B11S: torch.Tensor, own_k: list[torch.Tensor],
                    own_v: list[torch.Tensor]) -> torch.Tensor:
-    """One query per row over the valid cached keys and the row's own step keys
-    (``own_k``: ``[B, g, 1, d]`` each, always visible): ``[B, 1, h*d]``. Query head i
+    """One query per row over the cached keys not ``hidden`` (bool ``[B, 1, 1, S]``,
+    True for rolled-back and padding slots) and the row's own step keys (``own_k``:
+    ``[B, g, 1, d]`` each, always visible): ``[B, 1, h*d]``. Query head i
     reads kv head ``i // (h / g)`` (grouped, the cache is never repeated); scores in the
     input dtype times ``1/sqrt(d)``, softmax in fp32 (fp64 for fp64), as ``_attend``."""
     B, h, _, d = q_Bh1d.shape
@@ -543,7 +549,7 @@ def _cached_attend(q_Bh1d: torch.Tensor, k_BgSd: torch.Tensor, v_BgSd: torch.Ten
     q = q_Bh1d.reshape(B, g, h // g, d)
     scale = 1.0 / math.sqrt(d)
     scores = (q @ k_BgSd.transpose(-1, -2)) * scale  # [B, g, h/g, S]
-    scores = scores.masked_fill(~valid_BS[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(hidden_B11S, float("-inf"))
     if own_k:
         scores = torch.cat((scores, (q @ torch.cat(own_k, 2).transpose(-1, -2)) * scale), dim=-1)
     p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
