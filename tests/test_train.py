@@ -53,8 +53,8 @@ def test_resume_continues_the_same_curve(workdir, tmp_path):
     assert [r["step"] for r in rows_a] == list(range(1, 9))
     assert [(r["step"], r["loss"]) for r in rows_a] == [(r["step"], r["loss"]) for r in rows_b]
     assert rows_a[-1]["loss"] < rows_a[0]["loss"]  # it learns something
-    png = (whole / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 640
+    if __import__("importlib").util.find_spec("matplotlib"):  # the plot extra (test_plot_progress)
+        assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Negative control: a different seed gives a different curve.
     other = tmp_path / "other"
     train(config(workdir, other, seed=1, epochs=1), log=lambda s: None)
@@ -204,25 +204,6 @@ def test_metrics_survive_a_row_cut_short(tmp_path):
     assert read_metrics(tmp_path / METRICS) == rows[:3] + [{"step": 3, "loss": 0.5}]
 
 
-def test_plot_draws_held_out_rows(tmp_path):
-    from eagle3fn.train.plot import WIDTH, plot_metrics
-
-    train_rows = [{"step": s, "kl": [3.0 / s, 4.0 / s], "acc": [0.1 * s, 0.05 * s]} for s in range(1, 6)]
-    eval_rows = [{"split": "eval", "step": s, "kl": [3.5 / s, 4.5 / s], "acc": [0.08 * s, 0.04 * s]}
-                 for s in (2, 4)]
-
-    def green_pixels(rows):
-        path = tmp_path / "m.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        png = plot_metrics(path, tmp_path / "p.png").read_bytes()
-        data = __import__("zlib").decompress(png[png.index(b"IDAT") + 4:-16])
-        stride = 1 + 3 * WIDTH
-        px = [data[i + 1:i + stride] for i in range(0, len(data), stride)]
-        return sum(1 for row in px for x in range(WIDTH) if row[3 * x + 1] > 100 > row[3 * x] and row[3 * x + 2] < 100)
-    assert green_pixels(train_rows) == 0
-    assert green_pixels(train_rows + eval_rows) > 50
-
-
 def test_progress_bar_on_a_terminal(workdir, tmp_path, monkeypatch):
     """A terminal gets one line redrawn in place; a log callable gets one line per step."""
     import io
@@ -235,13 +216,13 @@ def test_progress_bar_on_a_terminal(workdir, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdout", screen)
     train(config(workdir, tmp_path / "tty", eval_holdout=2, max_steps=3))
     text = screen.getvalue()
-    assert "\r[########----------------] 1/3 loss " in text and " tok/s ETA 0m0" in text
-    assert "\r[########################] 3/3 loss " in text
+    assert "\r[########----------------] 1/3, loss " in text and " tok/s, elapsed 00:0" in text
+    assert "\r[########################] 3/3, loss " in text and ", ETA 00:00" in text
     assert "step 1/3 loss" not in text  # no per-step lines on a terminal
     # What the terminal shows: each line as its last carriage return left it.
     shown = [line.split("\r")[-1].rstrip() for line in text.split("\n")]
     assert shown[-4].startswith("eval step 3: held-out loss")  # messages stand above the bar
-    assert shown[-3].startswith("[########################] 3/3 loss ")
+    assert shown[-3].startswith("[########################] 3/3, loss ")
     assert shown[-2].startswith("done: 3 steps") and shown[-1] == ""
     monkeypatch.undo()
     logged = []

@@ -125,7 +125,7 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
     run.save()
     metrics.close()
     if is_main() and read_metrics(run.out / METRICS):
-        plot_metrics(run.out / METRICS, run.out / "loss.png")
+        plot_metrics(run.out / METRICS, run.out / "loss.png", log=log)
     if last:
         skips = f"; {run.skipped} non-finite batches skipped" if run.skipped else ""
         log(f"done: {run.step} steps in {time.perf_counter() - t0:.0f} s; last loss {last['loss']:.4f}, "

@@ -1,79 +1,115 @@
-"""A PNG of the per-step loss and accuracy curves, with no plotting dependency.
+"""Training curves from a ``metrics.jsonl``, drawn with matplotlib (the ``plot`` extra).
 
-Two panels (loss on top, acc below), one line per TTT step j (darker = earlier step),
-x = optimizer step: training rows in blue (kl) and red (acc), held-out evaluation rows
-(``"split": "eval"``) in green with a square at each evaluation. Written with zlib +
-struct; good enough to eyeball a run.
+Four panels, each with axis labels, units, step numbers and a legend:
+
+1. loss: soft cross-entropy to the target (nats per supervised token) per TTT
+   position ``j`` against the optimizer step; training rows as lines, held-out rows
+   (``"split": "eval"``) as square markers of the same colour.
+2. accuracy: top-1 agreement with the target per TTT position, same layout.
+3. acceptance length: the simulated tau of training and held-out rows, and the
+   acceptance length measured by speculative decoding at held-out evaluations
+   (``acceptance_length``, when the run recorded it), in tokens per round.
+4. acceptance per draft position: ``per_position_acceptance`` of each held-out
+   evaluation (one line per evaluated step).
+
+Legend: k TTT positions (draft tokens), rows = metrics.jsonl rows.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from pathlib import Path
+from typing import Callable
 
 from eagle3fn.train.metrics import read_metrics
 
-WIDTH, PANEL, MARGIN = 640, 220, 24
+MISSING = ("matplotlib is not installed: no {path} written (pip install 'eagle3fn[plot]' "
+           "draws loss, accuracy and acceptance; metrics.jsonl has the numbers)")
 
 
-def _png(pixels: list[bytearray], path: Path) -> None:
-    height, width = len(pixels), len(pixels[0]) // 3
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                     + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+def _finite(row: dict) -> bool:
+    return all(v is not None and math.isfinite(v) for key in ("kl", "acc") for v in row[key])
 
 
-def _line(px, x0, y0, x1, y1, color) -> None:
-    n = max(abs(x1 - x0), abs(y1 - y0), 1)
-    for t in range(n + 1):
-        x, y = round(x0 + (x1 - x0) * t / n), round(y0 + (y1 - y0) * t / n)
-        if 0 <= y < len(px) and 0 <= x < WIDTH:
-            px[y][3 * x:3 * x + 3] = bytes(color)
+def metrics_figure(rows: list[dict]):
+    """The four-panel ``matplotlib.figure.Figure`` of metrics rows (module docstring).
 
+    Rows with a non-finite ``kl`` / ``acc`` (skipped steps) are left out; held-out rows
+    are those with ``"split": "eval"``. Raises ValueError when no training row is left;
+    ImportError when matplotlib is absent (``plot_metrics`` turns it into a note).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-def _square(px, x, y, color) -> None:
-    for dy in range(-2, 3):
-        _line(px, x - 2, y + dy, x + 2, y + dy, color)
-
-
-def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Draw ``kl`` and ``acc`` per TTT step from a metrics.jsonl into ``out_png``
-    (training and held-out rows)."""
-    finite = lambda r: all(v is not None and math.isfinite(v) for key in ("kl", "acc") for v in r[key])  # noqa: E731
-    rows = [r for r in read_metrics(metrics_jsonl) if finite(r)]  # a skipped step has none
+    rows = [r for r in rows if _finite(r)]
     train = [r for r in rows if r.get("split", "train") == "train"]
     evals = [r for r in rows if r.get("split") == "eval"]
     if not train:
-        raise ValueError(f"{metrics_jsonl} has no training rows to plot")
-    height = 2 * PANEL + 3 * MARGIN
-    px = [bytearray(b"\xff" * 3 * WIDTH) for _ in range(height)]
-    steps = [r["step"] for r in train + evals]
-    first, span = min(steps), max(max(steps) - min(steps), 1)
+        raise ValueError("no finite training rows to plot (every step was skipped, or the "
+                         "run wrote none yet)")
     k = len(train[0]["kl"])
-    for panel, key in enumerate(("kl", "acc")):
-        top = MARGIN + panel * (PANEL + MARGIN)
-        values = [v for r in train + evals for v in r[key]]
-        lo, hi = min(values), max(values)
-        hi = hi if hi > lo else lo + 1.0
-        _line(px, MARGIN, top + PANEL, WIDTH - MARGIN, top + PANEL, (0, 0, 0))  # x axis
-        _line(px, MARGIN, top, MARGIN, top + PANEL, (0, 0, 0))  # y axis
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    loss_ax, acc_ax, tau_ax, pos_ax = fig.subplots(2, 2).flatten()
+    colors = [f"C{j}" for j in range(k)]
+    for ax, key, title, ylabel in (
+            (loss_ax, "kl", "loss per TTT position", "KL to the target (nats / token)"),
+            (acc_ax, "acc", "accuracy per TTT position", "top-1 agreement with the target (fraction)")):
         for j in range(k):
-            shade = int(200 * j / max(k - 1, 1))
-            color = (shade, shade, 255) if key == "kl" else (255, shade, shade)
-            for part, c in ((train, color), (evals, (shade // 2, 160 + shade // 4, shade // 2))):
-                pts = [(MARGIN + round((r["step"] - first) / span * (WIDTH - 2 * MARGIN)),
-                        top + PANEL - round((r[key][j] - lo) / (hi - lo) * PANEL)) for r in part]
-                for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
-                    _line(px, x0, y0, x1, y1, c)
-                if part is evals:
-                    for x, y in pts:
-                        _square(px, x, y, c)
+            ax.plot([r["step"] for r in train], [r[key][j] for r in train], color=colors[j],
+                    label=f"position {j + 1} (train)")
+            if evals:
+                ax.plot([r["step"] for r in evals], [r[key][j] for r in evals], "s", color=colors[j],
+                        markeredgecolor="black", label=f"position {j + 1} (held-out)")
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        ax.legend(fontsize="small", ncols=2 if evals else 1)
+        ax.grid(alpha=0.3)
+    acc_ax.set_ylim(0, 1)
+
+    tau_ax.plot([r["step"] for r in train], [r["tau"] for r in train], color="C0",
+                label="simulated tau (train)")
+    if evals:
+        tau_ax.plot([r["step"] for r in evals], [r["tau"] for r in evals], "s", color="C0",
+                    markeredgecolor="black", label="simulated tau (held-out)")
+    measured = [r for r in evals if r.get("acceptance_length") is not None]
+    if measured:
+        tau_ax.plot([r["step"] for r in measured], [r["acceptance_length"] for r in measured], "o-",
+                    color="C3", label="acceptance length, speculative decoding (held-out)")
+    tau_ax.set(title="acceptance length over training", xlabel="optimizer step",
+               ylabel="tokens per round (target + accepted drafts)")
+    tau_ax.legend(fontsize="small")
+    tau_ax.grid(alpha=0.3)
+
+    per_position = [r for r in evals if r.get("per_position_acceptance")]
+    for i, r in enumerate(per_position):
+        values = r["per_position_acceptance"]
+        pos_ax.plot(range(1, len(values) + 1), values, "o-", label=f"step {r['step']}",
+                    alpha=0.35 + 0.65 * (i + 1) / len(per_position))
+    if per_position:
+        pos_ax.legend(fontsize="small", title="held-out evaluation at")
+        pos_ax.set_xticks(range(1, len(per_position[-1]["per_position_acceptance"]) + 1))
+    else:
+        pos_ax.text(0.5, 0.5, "no acceptance measured\n(train with held-out data and --eval-every)",
+                    ha="center", va="center", transform=pos_ax.transAxes)
+    pos_ax.set(title="acceptance per draft position", xlabel="draft position",
+               ylabel="accepted fraction of rounds reaching it", ylim=(0, 1))
+    pos_ax.grid(alpha=0.3)
+    for ax in (loss_ax, acc_ax, tau_ax, pos_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and positions are whole
+    return fig
+
+
+def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path,
+                 log: Callable[[str], None] = print) -> Path | None:
+    """Draw ``metrics_figure`` of a metrics.jsonl into ``out_png`` (PNG, Agg, no display
+    needed) and return its path; without matplotlib, ``log`` one line saying so and
+    return None."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        log(MISSING.format(path=Path(out_png).name))
+        return None
+    fig = metrics_figure(read_metrics(metrics_jsonl))
+    FigureCanvasAgg(fig)
     out = Path(out_png)
-    _png(px, out)
+    fig.savefig(out, dpi=100)
     return out

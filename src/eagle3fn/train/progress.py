@@ -1,68 +1,56 @@
-"""Training progress on stdout without a dependency.
+"""Training progress on stdout: a tqdm bar on a terminal, log lines elsewhere.
 
-On a terminal: one line redrawn after every optimizer step, e.g.
-``[#########---------------] 25/66 loss 4.8812 acc0 0.181 1450 tok/s ETA 3m07s``;
-messages (evaluation, checkpoints) are printed above it. Elsewhere (a pipe, a file,
-CI, a ``log`` callable): nothing per step; the loop logs one line every log_every steps.
+On a terminal: one tqdm line redrawn after every optimizer step, e.g.
+``[#########---------------] 25/66, loss 4.8812 acc0 0.181 1450 tok/s, elapsed 00:52,
+ETA 03:07`` (tqdm's estimate from the steps of this process); messages (evaluation,
+checkpoints) are printed above it. Elsewhere (a pipe, a file, CI, a ``log`` callable):
+nothing per step; the loop logs one line every log_every steps.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Callable, TextIO
 
-BAR = 24
+from tqdm import tqdm
 
-
-def _duration(seconds: float) -> str:
-    m, s = divmod(int(seconds + 0.5), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+BAR_FORMAT = "[{bar:24}] {n_fmt}/{total_fmt}{postfix}, elapsed {elapsed}, ETA {remaining}"
+"""tqdm's fields: the bar in ``#`` and ``-``, steps done / total, the postfix
+(``, loss .. acc0 .. N tok/s``; tqdm puts the comma), elapsed time and the ETA."""
 
 
 class Progress:
-    """``live``: redraw one line on ``stream``; else ``message`` goes to ``log``.
+    """``live``: a tqdm bar on ``stream``; else ``message`` goes to ``log``.
 
-    ``start`` is the step the run begins at (a resumed run), for the ETA.
+    ``start`` is the step the run begins at (a resumed run): the bar starts there and
+    the ETA counts only the steps this process ran.
     """
 
     def __init__(self, total: int, *, start: int, live: bool, log: Callable[[str], None],
                  stream: TextIO | None = None) -> None:
         self.total, self.start, self.live, self.log = total, start, live, log
         self.stream = stream or sys.stdout
-        self.t0 = time.perf_counter()
-        self.line = ""
-
-    def _draw(self, line: str) -> None:
-        # Spaces cover the rest of a longer previous line.
-        self.stream.write("\r" + line + " " * max(0, len(self.line) - len(line)))
-        self.stream.flush()
-        self.line = line
+        self.bar = (tqdm(total=total, initial=start, file=self.stream, bar_format=BAR_FORMAT,
+                         ascii="-#", dynamic_ncols=True, mininterval=0, smoothing=0.3)
+                    if live else None)
 
     def message(self, text: str) -> None:
         """A line of text: above the bar when live, else through ``log``."""
-        if not self.live:
+        if self.bar is None:
             self.log(text)
-            return
-        bar = self.line
-        self.stream.write("\r" + text + " " * max(0, len(bar) - len(text)) + "\n")
-        self.line = ""
-        if bar:
-            self._draw(bar)
+        else:
+            self.bar.write(text, file=self.stream)
 
     def update(self, step: int, *, loss: float, acc0: float, tokens_per_s: float) -> None:
         """Redraw the bar after optimizer step ``step`` (does nothing unless live)."""
-        if not self.live:
+        if self.bar is None:
             return
-        done = step / max(self.total, 1)
-        bar = "#" * round(BAR * done) + "-" * (BAR - round(BAR * done))
-        per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
-        self._draw(f"[{bar}] {step}/{self.total} loss {loss:.4f} acc0 {acc0:.3f} "
-                   f"{tokens_per_s:.0f} tok/s ETA {_duration(per_step * (self.total - step))}")
+        self.bar.set_postfix_str(f"loss {loss:.4f} acc0 {acc0:.3f} {tokens_per_s:.0f} tok/s",
+                                 refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
         """End the bar's line (when live)."""
-        if self.live and self.line:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.line = ""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
