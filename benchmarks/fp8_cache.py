@@ -50,6 +50,8 @@ class Args:
     draft_vocab_size: int = 8192
     lr: float = 1e-3
     seed: int = 0
+    train_caches: tuple[str, ...] = ("f32", "bf16", "fp8")
+    """The caches trained from (each for --epochs)."""
     accept_prompts: int = 8
     """Held-out prompts decoded for the acceptance length (where the loop supports it)."""
     work_dir: str = ""
@@ -184,6 +186,8 @@ def main(args: Args) -> None:
         print(json.dumps({k: result[k] for k in ("features",)}, indent=1), flush=True)
         runs = {}
         for k, v in caches.items():
+            if k not in args.train_caches:
+                continue
             t = time.perf_counter()
             last = train(config(args, model, v, work / f"run-{k}"), log=lambda s: None)
             rows = read_metrics(work / f"run-{k}" / "metrics.jsonl")
