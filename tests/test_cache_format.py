@@ -71,7 +71,12 @@ def test_bf16_cache_trains_bitwise_like_padded_bf16_features(workdir, tmp_path, 
         train(config(workdir, tmp_path / "on", trim_loss_positions=trim_loss_positions), log=lambda s: None)
     want, got = params(tmp_path / "on"), params(tmp_path / "off")
     assert all(torch.equal(want[n], got[n]) for n in want)
-    if trim_loss_positions:
+    if trim_loss_positions:  # every step's wait on input is in metrics.jsonl (0 online)
+        from eagle3fn.train.metrics import read_metrics
+
+        waits = lambda run: [r["input_wait_s"] for r in read_metrics(tmp_path / run / "metrics.jsonl")  # noqa: E731
+                             if r.get("split") != "eval"]
+        assert len(waits("off")) == 4 and all(w > 0 for w in waits("off")) and set(waits("on")) == {0.0}
         return
     with monkeypatch.context() as patch:  # the control: teacher rows not shifted
         patch.setattr(layout, "teacher_mask", lambda loss, attention: loss.bool() & attention.bool())

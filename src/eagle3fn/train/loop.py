@@ -138,6 +138,7 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
     """Write the step's metrics row every ``log_every`` steps (and the progress bar every
     step on a terminal); the row, when it is a finite one that was written."""
     cfg = run.cfg
+    wait = run.source.take_wait()  # this step's wait on input (reset every step)
     logged = run.step % cfg.log_every == 0 or run.step == run.total
     if not (logged or progress.live):
         return None
@@ -146,6 +147,7 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
         counted = float(all_reduce(torch.tensor(counted, device=run.device)))
     row = metrics_row(run.step, result.lr, result.grad_norm, result.objective,
                       counted / (time.perf_counter() - t0), run.skipped)
+    row["input_wait_s"] = round(wait, 6)  # offline: seconds the step waited for its batches
     if not result.nonfinite:
         progress.update(run.step, loss=row["loss"], acc0=row["acc"][0], tokens_per_s=row["tokens_per_s"])
     if not logged:
