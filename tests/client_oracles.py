@@ -378,8 +378,8 @@ def vllm_draft(export_dir: Path, target_vocab_size: int):
     module = vllm_eagle3()
     from types import SimpleNamespace
 
-    from vllm.distributed import parallel_state
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
 
     parallel_state._TP = SimpleNamespace(world_size=1, rank_in_group=0)
     # vLLM's tests' default_vllm_config, on the CPU (no accelerator platform is found)

@@ -17,14 +17,30 @@ import dataclasses
 import json
 import sys
 
+import client_oracles
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_export import (
+    AUX,
+    TARGET,
+    B,
+    K,
+    S,
+    eagle3fn_logits,
+    make_draft,
+    make_features,
+    max_error,
+)
 
-import client_oracles
-from eagle3fn.io.export import CONFIG, WEIGHTS, export_draft, export_speculators, load_export
-from test_export import AUX, TARGET, B, K, S, eagle3fn_logits, make_draft, make_features, max_error
+from eagle3fn.io.export import (
+    CONFIG,
+    WEIGHTS,
+    export_draft,
+    export_speculators,
+    load_export,
+)
 
 TOL = 1e-5
 # variant -> make_draft arguments
@@ -129,7 +145,7 @@ def test_sglang_computes_our_draft(call, tmp_path, variant):
 
 def test_sglang_vocab_map_control(call, tmp_path):
     """A d2t shifted by one draft id gives SGLang other target ids (caught)."""
-    cfg, t2d, target_embed, _ = _export(tmp_path, "vocab_subset")
+    _, t2d, target_embed, _ = _export(tmp_path, "vocab_subset")
     _edit(tmp_path, tensors=lambda s: s.__setitem__("d2t", s["d2t"].roll(1)))
     _, hot = _sglang(call, tmp_path, target_embed, make_features())
     assert not torch.equal(hot, t2d.nonzero().flatten())
@@ -224,7 +240,7 @@ def test_speculators_loads_our_layout(call, tmp_path, variant):
 
 def test_speculators_refuses_what_it_cannot_represent(tmp_path):
     cfg, params, d2t, t2d, _ = make_draft(target_hidden=24)
-    kw = dict(d2t=d2t, t2d=t2d, aux_layer_ids=AUX, target_path="target")
+    kw = {"d2t": d2t, "t2d": t2d, "aux_layer_ids": AUX, "target_path": "target"}
     with pytest.raises(ValueError, match="hidden_size=32 differs from the target's 24.*--format eagle3"):
         export_speculators(tmp_path, params, cfg, **kw)
     cfg, params, d2t, t2d, _ = make_draft(norm_output=False)
@@ -241,9 +257,9 @@ def test_speculators_refuses_what_it_cannot_represent(tmp_path):
 def test_cli_exports_a_run_speculators_loads(call, tmp_path):
     """``eagle3fn export --format speculators`` of a trained run: speculators' model
     computes the run's draft (target embedding read from the target) on its rows."""
+    from eagle3fn.cli.main import main
     from recorders import save_tiny_target, write_tiny_chat
 
-    from eagle3fn.cli.main import main
     from eagle3fn.io.target import load_target
     from eagle3fn.shapes import Features
     from eagle3fn.train import CHECKPOINT, train
@@ -328,7 +344,7 @@ def test_vllm_loads_every_export_tensor(call, tmp_path, variant):
 def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(call, tmp_path):
     """Control: the layout before this fix (d2t/t2d also when Vd == V) is what vLLM's
     loader rejects; so is an fc_norm export whose config drops fc_norm."""
-    cfg, _, _, _ = _export(tmp_path / "full", "vocab_full")
+    _export(tmp_path / "full", "vocab_full")
     _edit(tmp_path / "full", tensors=lambda s: s.update(
         d2t=torch.zeros(96, dtype=torch.int64), t2d=torch.ones(96, dtype=torch.bool)))
     with pytest.raises(ValueError, match="no module or parameter named .draft_id_to_target_id"):
@@ -343,6 +359,7 @@ def test_cli_speculators_refuses_a_gguf_or_missing_target(tmp_path):
     """The speculators layout names a safetensors target as its verifier: a run trained
     on a GGUF file, or without a model, is refused in one line before anything loads."""
     from eagle3fn.cli.run import ExportArgs, _export_speculators
+
     from eagle3fn.errors import UsageError
 
     args = ExportArgs(run=str(tmp_path), out=str(tmp_path / "out"), format="speculators")

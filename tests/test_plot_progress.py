@@ -90,9 +90,9 @@ def test_plot_writes_a_png_or_one_line_without_matplotlib(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     assert plot_metrics(path, tmp_path / "again.png", log=notes.append) is None
-    assert notes == ["matplotlib is not installed: no again.png written (pip install "
-                     "'eagle3fn[plot]' draws loss, accuracy and acceptance; metrics.jsonl has the "
-                     "numbers)"]
+    assert notes == [("matplotlib is not installed: no again.png written (pip install "
+                      "'eagle3fn[plot]' draws loss, accuracy and acceptance; metrics.jsonl has the "
+                      "numbers)")]
     assert not (tmp_path / "again.png").exists()
 
 

@@ -18,8 +18,8 @@ Legend: k TTT positions (draft tokens), rows = metrics.jsonl rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eagle3fn.train.metrics import read_metrics
 

@@ -10,7 +10,8 @@ nothing per step; the loop logs one line every log_every steps.
 from __future__ import annotations
 
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from tqdm import tqdm
 
