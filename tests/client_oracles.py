@@ -12,8 +12,11 @@ replaced here, and only that:
   backend) is replaced by ``TTTAttention``, the training-time-test pattern.
 * speculators 0.9.0 (``Eagle3DraftModel.from_pretrained`` and its own TTT forward):
   its data-generation and HTTP imports are stand-ins; ``loguru`` is real.
-* vLLM 0.34.0 (``llama_eagle3.py``'s weight loading): its model ``__init__`` needs a
-  whole engine, so ``vllm_draft`` stands in for the module tree with vLLM's own layers.
+* vLLM 0.34.0 (``llama_eagle3.py``): it imports with stand-ins for its serving
+  modules, but its model ``__init__`` needs a whole engine (a served target, compile
+  and cache configs), so ``vllm_draft`` stands in for the module tree: vLLM's own layers
+  and ops (the torch path of its ``CustomOp``s) and its own ``load_weights`` and
+  ``forward`` functions, with ``TTTAttention`` for its paged ``Attention``.
 
 Importing SGLang or vLLM patches transformers and other process-wide state, so the tests
 call the ``run_*`` functions in a separate worker process (``worker`` below), never in
@@ -389,9 +392,9 @@ def vllm_draft(export_dir: Path, target_vocab_size: int):
 
 def _vllm_draft(module, export_dir: Path, target_vocab_size: int):
     from transformers import AutoConfig
+    from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (
-        MergedColumnParallelLinear,
         QKVParallelLinear,
         ReplicatedLinear,
         RowParallelLinear,
@@ -400,39 +403,60 @@ def _vllm_draft(module, export_dir: Path, target_vocab_size: int):
         ParallelLMHead,
         VocabParallelEmbedding,
     )
+    from vllm.model_executor.models import llama
+    from vllm.model_executor.models.interfaces import SupportsEagle3
 
     config = AutoConfig.from_pretrained(str(export_dir))
     if getattr(config, "draft_vocab_size", None) is None:
         config.draft_vocab_size = config.vocab_size
     H, eps = config.hidden_size, config.rms_norm_eps
-    d = getattr(config, "head_dim", None) or H // config.num_attention_heads
     Ht = getattr(config, "target_hidden_size", H)
     eagle = getattr(config, "eagle_config", None) or {}
 
-    layer = nn.Module()
-    layer.self_attn = nn.Module()
-    layer.self_attn.qkv_proj = QKVParallelLinear(2 * H, d, config.num_attention_heads,
-                                                 config.num_key_value_heads, bias=False)
-    layer.self_attn.o_proj = RowParallelLinear(config.num_attention_heads * d, H, bias=False)
-    layer.mlp = nn.Module()
-    layer.mlp.gate_up_proj = MergedColumnParallelLinear(H, [config.intermediate_size] * 2, bias=False)
-    layer.mlp.down_proj = RowParallelLinear(config.intermediate_size, H, bias=False)
-    for name in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
-        setattr(layer, name, RMSNorm(H, eps=eps))
+    class Attention(nn.Module):  # llama.LlamaAttention without its paged-KV Attention
+        forward = llama.LlamaAttention.forward
+        _init_rotary_emb = llama.LlamaAttention._init_rotary_emb
 
-    class Model(nn.Module):
+    class Layer(nn.Module):  # llama_eagle3.LlamaDecoderLayer, layer 0
+        forward = module.LlamaDecoderLayer.forward
+        _residual_norm = (module.LlamaDecoderLayer._norm_before_residual
+                          if getattr(config, "norm_before_residual", False)
+                          else module.LlamaDecoderLayer._norm_after_residual)
+
+    class Model(nn.Module):  # llama_eagle3.LlamaModel
+        forward = module.LlamaModel.forward
+        embed_input_ids = module.LlamaModel.embed_input_ids
         load_weights = module.LlamaModel.load_weights
         hf_to_vllm_mapper = module.LlamaModel.hf_to_vllm_mapper
 
-    from vllm.model_executor.models.interfaces import SupportsEagle3
-
     class Draft(nn.Module, SupportsEagle3):  # the interface sets has_own_embed_tokens
         load_weights = module.Eagle3LlamaForCausalLM.load_weights
+        combine_hidden_states = module.Eagle3LlamaForCausalLM.combine_hidden_states
+
+    attn = Attention()
+    attn.head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    attn.num_heads, attn.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    attn.scaling = attn.head_dim ** -0.5
+    attn.max_position_embeddings = getattr(config, "max_position_embeddings", 8192)
+    attn.qkv_proj = QKVParallelLinear(2 * H, attn.head_dim, attn.num_heads, attn.num_kv_heads, bias=False)
+    attn.o_proj = RowParallelLinear(attn.q_size, H, bias=False)
+    attn._init_rotary_emb(config, None)
+    attn.attn = None  # TTTAttention per forward (vllm_ttt_logits)
+    layer = Layer()
+    layer.layer_idx = 0
+    layer.self_attn = attn
+    layer.mlp = llama.LlamaMLP(H, config.intermediate_size, "silu", quant_config=None)
+    for name in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+        setattr(layer, name, RMSNorm(H, eps=eps))
 
     model = Model()
     model.config = config
     model.use_aux_hidden_state = eagle.get("use_aux_hidden_state", True)
     model.norm_before_fc = bool(eagle.get("norm_before_fc", getattr(config, "norm_before_fc", False)))
+    model.input_norm = None
+    model.num_aux_hidden_states = 3
+    model.norm_output = getattr(config, "norm_output", False)
     model.embed_tokens = VocabParallelEmbedding(config.vocab_size, H)
     model.layers = nn.ModuleList([layer])
     model.fc_norm = (nn.ModuleList([RMSNorm(Ht, eps=eps) for _ in range(3)])
@@ -446,9 +470,36 @@ def _vllm_draft(module, export_dir: Path, target_vocab_size: int):
     draft.draft_id_to_target_id = (
         nn.Parameter(torch.zeros(config.draft_vocab_size, dtype=torch.long), requires_grad=False)
         if config.draft_vocab_size != target_vocab_size else None)
+    for op in draft.modules():  # the torch path of vLLM's own ops (its CPU kernels are absent)
+        if isinstance(op, CustomOp):
+            op._forward_method = op.forward_native
     with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
         draft.load_weights((k, f.get_tensor(k)) for k in f.keys())
     return draft
+
+
+def vllm_ttt_logits(draft, target_embed, input_ids, aux, attention_mask, ttt_length):
+    """``ttt_length`` per-step draft logits ``[B, S, Vd]`` from vLLM's forward code
+    (``combine_hidden_states``: fc_norm and fc; ``LlamaModel.forward``: decoder layer,
+    norm; ``lm_head``), driven as ``sglang_ttt_logits`` drives SGLang's (attention:
+    ``TTTAttention``); the target's embedding is used unless the draft ships one."""
+    B, S = input_ids.shape
+    attn = draft.model.layers[0].self_attn
+    attn.attn = TTTAttention(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                             head_dim=attn.head_dim, scaling=attn.scaling,
+                             attention_mask=attention_mask)
+    if not getattr(draft, "has_own_embed_tokens", False):  # vLLM shares the target's
+        draft.model.embed_tokens.weight.data[:target_embed.shape[0]] = target_embed
+    positions = torch.arange(S).repeat(B)
+    vd = draft.config.draft_vocab_size
+    logits, ids = [], input_ids
+    with torch.no_grad():
+        hidden = draft.combine_hidden_states(aux.reshape(B * S, -1))
+        for j in range(ttt_length):
+            ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            normed, hidden = draft.model(ids.reshape(-1), positions + j, hidden)
+            logits.append((normed @ draft.lm_head.weight[:vd].T).view(B, S, vd))
+    return logits
 
 
 # --- the worker process ------------------------------------------------------------------
@@ -498,8 +549,13 @@ def run_speculators(export_dir, input_ids, aux, attention_mask, ttt_length):
     return logits, facts
 
 
-def run_vllm(export_dir, target_vocab_size):
-    """``(parameters by name, has_own_embed_tokens)`` after vLLM's loader took the export."""
+def run_vllm(export_dir, target_vocab_size, target_embed=None, input_ids=None, aux=None,
+             attention_mask=None, ttt_length=0):
+    """``(parameters by name, has_own_embed_tokens, per-step logits)`` after vLLM's
+    loader took the export (logits ``vllm_ttt_logits`` when inputs are given)."""
     draft = vllm_draft(Path(export_dir), target_vocab_size)
     params = {n: p.detach().clone() for n, p in draft.named_parameters()}
-    return params, getattr(draft, "has_own_embed_tokens", False)
+    own = getattr(draft, "has_own_embed_tokens", False)
+    logits = (vllm_ttt_logits(draft, target_embed, input_ids, aux, attention_mask, ttt_length)
+              if input_ids is not None else None)
+    return params, own, logits

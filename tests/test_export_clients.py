@@ -6,7 +6,10 @@
   logits of eagle3fn's draft loaded back with ``load_export``, fp32, within 1e-5.
 * speculators 0.9.0's ``Eagle3DraftModel.from_pretrained`` loads ``--format
   speculators`` and its own TTT forward gives the same logits.
-* vLLM 0.34.0's EAGLE-3 weight loading takes every tensor of the export.
+* vLLM 0.34.0's EAGLE-3 weight loading takes every tensor of the export, and its
+  forward code (``combine_hidden_states``, ``LlamaModel`` / decoder layer / attention
+  forwards, its RMSNorm, RoPE and MLP ops; the module tree and paged attention stood
+  in for) gives the same logits.
 
 Each variant's negative control is a broken export (weight, config field or vocab map)
 that the same check catches. The clients run in one worker process
@@ -293,13 +296,14 @@ def test_cli_exports_a_run_speculators_loads(call, tmp_path):
 
 # --- vLLM: its EAGLE-3 weight loading takes the export as written ------------------------
 
-VLLM_VARIANTS = ["default", "fc_norm", "vocab_full", "vocab_subset", "width"]
-
-
-def _vllm(call, export_dir):
-    """(parameters by name, has_own_embed_tokens) after vLLM's loader took the export."""
+def _vllm(call, export_dir, target_embed=None, features=None):
+    """(parameters by name, has_own_embed_tokens, per-step logits or None) of vLLM's
+    loader and forward code on the export."""
     client_oracles.require("vllm")
-    return call("run_vllm", str(export_dir), 96)
+    if features is None:
+        return call("run_vllm", str(export_dir), 96)
+    return call("run_vllm", str(export_dir), 96, target_embed, features.input_ids, features.aux,
+                features.attention_mask, K)
 
 
 def _expected_vllm_params(export_dir):
@@ -323,10 +327,10 @@ def _expected_vllm_params(export_dir):
     return expected
 
 
-@pytest.mark.parametrize("variant", VLLM_VARIANTS)
-def test_vllm_loads_every_export_tensor(call, tmp_path, variant):
-    cfg, t2d, _, _ = _export(tmp_path, variant)
-    params, own_embedding = _vllm(call, tmp_path)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_vllm_loads_and_computes_our_draft(call, tmp_path, variant):
+    cfg, t2d, target_embed, features = _export(tmp_path, variant)
+    params, own_embedding, theirs = _vllm(call, tmp_path, target_embed, features)
     expected = _expected_vllm_params(tmp_path)
     # Every parameter vLLM builds is loaded (the embedding comes from the target unless shipped).
     assert set(params) - set(expected) == ({"model.embed_tokens.weight"} if variant != "width" else set())
@@ -339,6 +343,12 @@ def test_vllm_loads_every_export_tensor(call, tmp_path, variant):
     if cfg.draft_vocab_size < 96:  # vLLM scatters draft logits to arange(Vd) + d2t
         targets = torch.arange(cfg.draft_vocab_size) + params["draft_id_to_target_id"]
         assert torch.equal(targets, t2d.nonzero().flatten())
+    ours, _, _ = _ours(tmp_path, target_embed, features)
+    assert max_error(ours, theirs) <= TOL
+    if variant == "fc_norm":  # this control is a load error: test_vllm_refuses_...
+        return
+    _edit(tmp_path, **CONTROLS[variant])
+    assert max_error(ours, _vllm(call, tmp_path, target_embed, features)[2]) > 1e-3
 
 
 def test_vllm_refuses_a_d2t_for_a_full_vocab_draft(call, tmp_path):
