@@ -17,6 +17,7 @@ that the same check catches. The clients run in one worker process
 """
 
 import dataclasses
+import importlib.util
 import json
 import sys
 
@@ -154,9 +155,10 @@ def test_sglang_vocab_map_control(call, tmp_path):
     assert not torch.equal(hot, t2d.nonzero().flatten())
 
 
-def test_norm_output_false_is_refused_because_sglang_computes_otherwise(call, tmp_path):
+def test_norm_output_false_is_refused_because_the_engines_compute_otherwise(call, tmp_path):
     """A norm_output=False draft (logits of the un-normed output) is refused in one line;
-    SGLang's own norm_output key (written as the old export did) runs another draft."""
+    SGLang's and vLLM's own norm_output key (written as the old export did) runs another
+    draft whichever its value."""
     cfg, params, d2t, t2d, target_embed = make_draft(norm_output=False)
     with pytest.raises(ValueError, match="norm_output=False .* SGLang and vLLM cannot run"):
         export_draft(tmp_path, params, cfg, d2t=d2t, t2d=t2d, aux_layer_ids=AUX)
@@ -167,6 +169,8 @@ def test_norm_output_false_is_refused_because_sglang_computes_otherwise(call, tm
                  t2d=t2d, aux_layer_ids=AUX, dtype=torch.float32)
     for value in (False, True):
         _edit(tmp_path, config={"norm_output": value})
+        if importlib.util.find_spec("vllm"):
+            assert max_error(ours, _vllm(call, tmp_path, target_embed, features)[2]) > 1e-2
         theirs, _ = _sglang(call, tmp_path, target_embed, features)
         assert max_error(ours, theirs) > 1e-2
     # The normed-state variant SGLang's key selects is refused on load, not misread.
