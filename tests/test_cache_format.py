@@ -56,19 +56,20 @@ def bf16_features(monkeypatch):
     monkeypatch.setattr(eagle3fn.io.target, "target_features", rounded)
 
 
-@pytest.mark.parametrize("trim_loss_positions", [True, False])
+@pytest.mark.parametrize("trim_loss_positions,precision", [(True, "bfloat16"), (False, "float32")])
 def test_bf16_cache_trains_bitwise_like_padded_bf16_features(workdir, tmp_path, monkeypatch,
-                                                             trim_loss_positions):
+                                                             trim_loss_positions, precision):
     """The ragged cache (aux at real tokens, final hidden at teacher positions, zeros
-    elsewhere) trains the same weights, bitwise, as the padded bf16 features; with
-    trim_loss_positions=False the full-length path reads a teacher at every position.
-    Negative control: final hidden kept at the supervised t instead of t + 1."""
-    cache = prepare_cache(workdir, tmp_path / "cache", storage="bfloat16")
-    train(config(workdir, tmp_path / "off", cache=str(cache), trim_loss_positions=trim_loss_positions),
-          log=lambda s: None)
+    elsewhere) trains the same weights, bitwise, as the padded bf16 features: on the
+    loss-trimmed path with the target and the step in bf16, and on the full-length path
+    (trim_loss_positions=False: a teacher read at every position) in fp32. Negative
+    control: final hidden kept at the supervised t instead of t + 1."""
+    run = dict(trim_loss_positions=trim_loss_positions, precision=precision)
+    cache = prepare_cache(workdir, tmp_path / "cache", "--model.dtype", precision, storage="bfloat16")
+    train(config(workdir, tmp_path / "off", cache=str(cache), **run), log=lambda s: None)
     with monkeypatch.context() as patch:
         bf16_features(patch)
-        train(config(workdir, tmp_path / "on", trim_loss_positions=trim_loss_positions), log=lambda s: None)
+        train(config(workdir, tmp_path / "on", **run), log=lambda s: None)
     want, got = params(tmp_path / "on"), params(tmp_path / "off")
     assert all(torch.equal(want[n], got[n]) for n in want)
     if trim_loss_positions:  # every step's wait on input is in metrics.jsonl (0 online)
@@ -81,8 +82,7 @@ def test_bf16_cache_trains_bitwise_like_padded_bf16_features(workdir, tmp_path, 
     with monkeypatch.context() as patch:  # the control: teacher rows not shifted
         patch.setattr(layout, "teacher_mask", lambda loss, attention: loss.bool() & attention.bool())
         wrong = prepare_cache(workdir, tmp_path / "wrong", storage="bfloat16")
-    train(config(workdir, tmp_path / "wrong-run", cache=str(wrong), trim_loss_positions=False),
-          log=lambda s: None)
+    train(config(workdir, tmp_path / "wrong-run", cache=str(wrong), **run), log=lambda s: None)
     bad = params(tmp_path / "wrong-run")
     assert not all(torch.equal(want[n], bad[n]) for n in want)
 
