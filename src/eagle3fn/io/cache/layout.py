@@ -96,11 +96,12 @@ def to_ragged(batch: dict, aux_BSX: torch.Tensor, final_hidden_BSH: torch.Tensor
     offsets[1:] = lengths.cumsum(0)
     t_offsets = torch.zeros_like(offsets)
     t_offsets[1:] = teach.sum(1).cumsum(0)
-    aux = aux_BSX.detach().cpu()[real]
+    # Rows picked where the target ran (a GPU copies only what is kept).
+    aux = aux_BSX.detach()[real.to(aux_BSX.device)].cpu()
+    final = final_hidden_BSH.detach()[teach.to(final_hidden_BSH.device)].cpu()
     out = {"offsets": offsets, "input_ids": batch["input_ids"].cpu()[real].to(torch.int32),
            "loss_mask": loss[real], "teacher_offsets": t_offsets,
-           "teacher_positions": teach.nonzero()[:, 1].to(torch.int32),
-           "final_hidden": final_hidden_BSH.detach().cpu()[teach].to(dtype)}
+           "teacher_positions": teach.nonzero()[:, 1].to(torch.int32), "final_hidden": final.to(dtype)}
     if aux_fp8:
         out["aux"], out["aux_scale"] = quantize_fp8(aux)
     else:
