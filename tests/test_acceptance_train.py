@@ -43,41 +43,46 @@ def params_by_step(out):
     return saved, on_step
 
 
-@pytest.mark.parametrize("values, best_step", [([1.5, 2.5, 2.0, 1.8], 2),
-                                               ([1.5, 2.5, 2.0, 3.0], 4),  # control: a later, better step
-                                               ([2.0, 2.0, 1.0, 1.0], 1)])  # ties keep the first
+@pytest.mark.parametrize("values, best_step", [([1.5, 2.5, 2.0], 2),
+                                               ([1.5, 2.5, 3.0], 3),  # control: a later, better step
+                                               ([2.0, 2.0, 1.0], 1)])  # ties keep the first
 def test_best_checkpoint_is_the_highest_acceptance(workdir, tmp_path, monkeypatch, values, best_step):  # noqa: F811
     out = tmp_path / "run"
     scripted(monkeypatch, values)
     saved, on_step = params_by_step(out)
-    train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=4, save_every=1),
+    train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=3, save_every=1),
           log=lambda s: None, on_step=on_step)
     assert [r["acceptance_length"] for r in eval_rows(out)] == values
     best = load_run(out, best=True)
     assert best["step"] == best_step and best["best"] == {"step": best_step, "acceptance_length": max(values)}
     assert all(torch.equal(best["params"][n], saved[best_step][n]) for n in saved[best_step])
-    assert load_run(out)["step"] == 4
+    assert load_run(out)["step"] == 3
 
 
-@pytest.mark.parametrize("forget", [False, True])
-def test_resume_keeps_the_best_record(workdir, tmp_path, monkeypatch, forget):  # noqa: F811
-    """Stopped after step 3 (best: step 2, 2.5), resumed: step 4's 1.8 must not replace
-    it. Control: a resume that forgets the record (``best_record`` -> None) takes step 4."""
+def test_resume_keeps_the_best_record(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """Stopped after step 2 (best: step 1, 2.5), resumed: step 3's 1.8 must not replace
+    it. Control: the same resume forgetting the record (``best_record`` -> None) takes
+    step 3."""
+    import shutil
+
     out = tmp_path / "run"
-    cfg = config(workdir, out, eval_holdout=2, eval_every=1, max_steps=4, save_every=1)
 
     def stop(step):
-        if step == 3:
+        if step == 2:
             raise KeyboardInterrupt
-    scripted(monkeypatch, [1.5, 2.5, 2.0])
+    scripted(monkeypatch, [2.5, 2.0])
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, log=lambda s: None, on_step=stop)
-    scripted(monkeypatch, [1.8])
-    if forget:
-        monkeypatch.setattr(loop, "best_record", lambda *a: None)
-    train(cfg, log=lambda s: None)
-    assert load_run(out)["step"] == 4
-    assert load_run(out, best=True)["step"] == (4 if forget else 2)
+        train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=3, save_every=1),
+              log=lambda s: None, on_step=stop)
+    for forget in (False, True):
+        copy = tmp_path / f"forget-{forget}"
+        shutil.copytree(out, copy)
+        scripted(monkeypatch, [1.8])
+        if forget:
+            monkeypatch.setattr(loop, "best_record", lambda *a: None)
+        train(config(workdir, copy, eval_holdout=2, eval_every=1, max_steps=3, save_every=1), log=lambda s: None)
+        assert load_run(copy)["step"] == 3
+        assert load_run(copy, best=True)["step"] == (3 if forget else 1)
 
 
 def test_recorded_acceptance_is_real_decoding(workdir, tmp_path, capsys):  # noqa: F811
