@@ -4,9 +4,9 @@ docs/benchmarks.md can be traced to the code, the arguments and the machine:
     from meta import run_metadata
     json.dump(dict(run_metadata(resolved_args), results=rows), f)
 
-``commit`` and ``dirty`` (uncommitted or untracked changes in the tree) come from git.
-A copy of the tree without ``.git`` (the GPU machine gets one) takes them from the
-environment: ``EAGLE3FN_COMMIT=<sha> EAGLE3FN_DIRTY=0|1``, which ``python
+``commit`` and ``dirty`` (uncommitted or untracked changes in the tree) come from git,
+unless the environment says them: a copy of the tree (the GPU machine gets one, maybe
+inside another checkout) takes them from ``EAGLE3FN_COMMIT=<sha> EAGLE3FN_DIRTY=0|1``, which ``python
 benchmarks/meta.py`` prints for the checkout it runs in. ``args`` are the values the
 run used: a ``None`` is refused, because a null standing for "the library's default"
 changes meaning when the default does (``head_chunk_rows: null`` meant 2048 rows
@@ -30,9 +30,17 @@ PACKAGES = ("torch", "triton", "transformers")
 
 
 def git_state(repo: Path = ROOT) -> tuple[str, bool]:
-    """``(commit, dirty)`` of the checkout at ``repo``: ``HEAD``'s full hash, and whether
-    tracked files differ from it or untracked, not ignored files exist (both travel to
-    the GPU machine). Outside a git checkout: ``EAGLE3FN_COMMIT`` and ``EAGLE3FN_DIRTY``."""
+    """``(commit, dirty)`` of the tree at ``repo``. ``EAGLE3FN_COMMIT`` and
+    ``EAGLE3FN_DIRTY``, when set, say it and win: a copied tree (the GPU machine gets
+    one) may sit inside another checkout, or carry a stale ``.git``, whose state is not
+    the tree's. Otherwise from git: ``HEAD``'s full hash, and whether tracked files
+    differ from it or untracked, not ignored files exist."""
+    commit, dirty = os.environ.get("EAGLE3FN_COMMIT", ""), os.environ.get("EAGLE3FN_DIRTY", "")
+    if commit or dirty:
+        if not commit or dirty not in ("0", "1"):
+            raise ValueError(f"EAGLE3FN_COMMIT={commit!r}, EAGLE3FN_DIRTY={dirty!r}: set both (the sha, "
+                             "and 0 or 1), from `python benchmarks/meta.py` in the checkout the tree came from")
+        return commit, dirty == "1"
     try:
         git = ["git", "-C", str(repo)]
         commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
@@ -41,13 +49,9 @@ def git_state(repo: Path = ROOT) -> tuple[str, bool]:
                                 check=True).stdout
         return commit, bool(status.strip())
     except (FileNotFoundError, subprocess.CalledProcessError):
-        pass
-    commit, dirty = os.environ.get("EAGLE3FN_COMMIT", ""), os.environ.get("EAGLE3FN_DIRTY", "")
-    if not commit or dirty not in ("0", "1"):
-        raise ValueError(f"{repo} is not a git checkout and EAGLE3FN_COMMIT={commit!r}, "
-                         f"EAGLE3FN_DIRTY={dirty!r}: run `python benchmarks/meta.py` in the "
-                         "checkout the tree was copied from and put its output before the command")
-    return commit, dirty == "1"
+        raise ValueError(f"{repo} is not a git checkout and EAGLE3FN_COMMIT / EAGLE3FN_DIRTY are unset: "
+                         "run `python benchmarks/meta.py` in the checkout the tree was copied from and put "
+                         "its output before the command") from None
 
 
 @functools.cache

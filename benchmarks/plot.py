@@ -1,5 +1,5 @@
 """Plot ``benchmarks/step.py`` JSON: step time (ms) against supervision density, one
-line per mode, one panel per (S, pattern). No plotting dependency (PNG by hand).
+line per mode, one panel per (S, pattern), with matplotlib (the ``plot`` extra).
 
     python benchmarks/plot.py bench.json [more.json ...] --out docs/img/trim-modes.png
 """
@@ -12,11 +12,8 @@ from pathlib import Path
 
 import tyro
 
-from eagle3fn.train.plot import _line, _png, _square
-
-WIDTH, PANEL, MARGIN = 640, 200, 28
-COLORS = {"specforge": (0, 0, 0), "none": (220, 40, 40), "loss": (240, 150, 0),
-          "backbone": (30, 110, 230), "auto": (20, 160, 60), "loss-mesh": (150, 80, 200)}
+COLORS = {"specforge": "black", "none": "tab:red", "loss": "tab:orange", "backbone": "tab:blue",
+          "auto": "tab:green", "loss-mesh": "tab:purple"}
 
 
 @dataclass(kw_only=True)
@@ -41,27 +38,30 @@ def load_rows(paths: tuple[str, ...]) -> list[dict]:
 
 
 def main(args: PlotArgs) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = load_rows(args.inputs)
     panels = sorted({(r["S"], r["pattern"]) for r in rows})
-    height = len(panels) * (PANEL + MARGIN) + MARGIN
-    px = [bytearray(b"\xff" * 3 * WIDTH) for _ in range(height)]
-    for i, (S, pattern) in enumerate(panels):
-        top = MARGIN + i * (PANEL + MARGIN)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False)
+    for ax, (S, pattern) in zip(axes[:, 0], panels):
         part = [r for r in rows if (r["S"], r["pattern"]) == (S, pattern)]
-        hi = max(r["median_ms"] for r in part) * 1.05
-        _line(px, MARGIN, top + PANEL, WIDTH - MARGIN, top + PANEL, (0, 0, 0))
-        _line(px, MARGIN, top, MARGIN, top + PANEL, (0, 0, 0))
         for mode, color in COLORS.items():
             pts = sorted((r["density"], r["median_ms"]) for r in part if r["mode"] == mode)
-            xy = [(MARGIN + round(d * (WIDTH - 2 * MARGIN)), top + PANEL - round(ms / hi * PANEL))
-                  for d, ms in pts]
-            for (x0, y0), (x1, y1) in zip(xy, xy[1:] or xy):
-                _line(px, x0, y0, x1, y1, color)
-            for x, y in xy:
-                _square(px, x, y, color)
+            if pts:
+                ax.plot(*zip(*pts), marker="s", color=color, label=mode)
+        ax.set_title(f"S = {S}, {pattern} supervision")
+        ax.set_xlabel("supervised fraction of positions")
+        ax.set_ylabel("step time (ms, median)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    _png(px, Path(args.out))
-    print(f"wrote {args.out}: panels {panels} (x: density 0..1, y: ms 0..max)")
+    fig.savefig(args.out, dpi=100)
+    print(f"wrote {args.out}: panels {panels}")
 
 
 if __name__ == "__main__":

@@ -58,10 +58,12 @@ def test_later_file_wins_and_oom_rows_drop(tmp_path):
 
 # ---- meta.py: the run identity in every benchmark JSON --------------------------------
 
-def test_git_state_is_head_and_dirty_follows_the_tree(tmp_path):
+def test_git_state_is_head_and_dirty_follows_the_tree(tmp_path, monkeypatch):
     """``commit`` is ``HEAD``'s hash; ``dirty`` turns on for an untracked file and for a
     changed tracked file, and off again once committed."""
     meta = load("meta")
+    monkeypatch.delenv("EAGLE3FN_COMMIT", raising=False)
+    monkeypatch.delenv("EAGLE3FN_DIRTY", raising=False)
     git(tmp_path, "init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")
     git(tmp_path, "add", "a.py")
@@ -91,6 +93,23 @@ def test_outside_git_the_environment_names_the_commit(tmp_path, monkeypatch):
         meta.git_state(tmp_path)
     monkeypatch.setenv("EAGLE3FN_DIRTY", "1")
     assert meta.git_state(tmp_path) == ("abc123", True)
+
+
+def test_the_environment_wins_inside_another_checkout(tmp_path, monkeypatch):
+    """A tree copied into (or beside a stale ``.git`` of) another checkout records what
+    the environment says it was copied from, not that checkout's HEAD (the GPU
+    machine's case: two session-10 JSONs recorded the stale HEAD before this)."""
+    meta = load("meta")
+    git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git(tmp_path, "add", "a.py")
+    git(tmp_path, "commit", "-qm", "one")
+    monkeypatch.setenv("EAGLE3FN_COMMIT", "f00d")
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "0")
+    assert meta.git_state(tmp_path) == ("f00d", False)
+    monkeypatch.delenv("EAGLE3FN_COMMIT")
+    monkeypatch.delenv("EAGLE3FN_DIRTY")
+    assert meta.git_state(tmp_path) == (git(tmp_path, "rev-parse", "HEAD"), False)
 
 
 def test_run_metadata_of_this_checkout():

@@ -83,7 +83,7 @@ def test_trim_none_and_loss_train_the_same(workdir, tmp_path):
 
 def test_flags_and_bad_checkpoints_are_clear(workdir, tmp_path):
     assert config(workdir, tmp_path).trim_mode == "loss"
-    assert config(workdir, tmp_path, trim_loss_positions=False).trim_mode == "none"
+    assert config(workdir, tmp_path, trim_loss_positions=False).trim_mode == "auto"  # the end-to-end fastest (docs/benchmarks.md)
     with pytest.raises(ValueError, match="contradicts"):
         config(workdir, tmp_path, trim="none")
     with pytest.raises(ValueError, match="--model and --data"):
