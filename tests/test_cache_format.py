@@ -64,7 +64,7 @@ def test_bf16_cache_trains_bitwise_like_padded_bf16_features(workdir, tmp_path, 
     loss-trimmed path with the target and the step in bf16, and on the full-length path
     (trim_loss_positions=False: a teacher read at every position) in fp32. Negative
     control: final hidden kept at the supervised t instead of t + 1."""
-    run = dict(trim_loss_positions=trim_loss_positions, precision=precision)
+    run = dict(trim_loss_positions=trim_loss_positions, precision=precision, max_steps=2)
     cache = prepare_cache(workdir, tmp_path / "cache", "--model.dtype", precision, storage="bfloat16")
     train(config(workdir, tmp_path / "off", cache=str(cache), **run), log=lambda s: None)
     with monkeypatch.context() as patch:
@@ -77,7 +77,7 @@ def test_bf16_cache_trains_bitwise_like_padded_bf16_features(workdir, tmp_path, 
 
         waits = lambda run: [r["input_wait_s"] for r in read_metrics(tmp_path / run / "metrics.jsonl")  # noqa: E731
                              if r.get("split") != "eval"]
-        assert len(waits("off")) == 4 and all(w > 0 for w in waits("off")) and set(waits("on")) == {0.0}
+        assert len(waits("off")) == 2 and all(w > 0 for w in waits("off")) and set(waits("on")) == {0.0}
         return
     with monkeypatch.context() as patch:  # the control: teacher rows not shifted
         patch.setattr(layout, "teacher_mask", lambda loss, attention: loss.bool() & attention.bool())

@@ -21,7 +21,7 @@ SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_
 
 @pytest.mark.parametrize("source", ["online", "cache"])
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, source, monkeypatch):
-    n = 24 if source == "online" else 14  # conversations; two epochs of one per step
+    n = 24 if source == "online" else 12  # conversations; two epochs of one per step
     save_tiny_target(tmp_path / "model")
     write_tiny_chat(tmp_path / "chat.jsonl", n)
     total = 2 * n
