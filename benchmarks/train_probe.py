@@ -111,30 +111,33 @@ def _step_record(t_start: float, tokens: int, padded: int, recompiles: Recompile
 def probe(record_path: str, argv: list[str]) -> None:
     """Run ``eagle3fn.cli.main.main(argv)``, as ``python -m eagle3fn.cli`` does, and
     write to ``record_path`` per optimizer step what ``_step_record`` records, plus the
-    padded tokens of its micro-batches (``train.step.micro_batch``) and the seconds in
-    ``FeatureCache.read``. Observes only: the loop's functions are wrapped, not changed."""
+    padded tokens of its micro-batches (``train.step.micro_batch``) and the seconds the
+    training thread waited on input (``load_s``: what the source's ``take_wait`` hands
+    the loop right after the step, the offline prefetcher's wait; 0 online). Observes
+    only: the loop's functions are wrapped, not changed."""
     import torch
 
     from eagle3fn.cli import main as cli
-    from eagle3fn.io.cache import FeatureCache
-    from eagle3fn.train import loop, step
+    from eagle3fn.train import loop, sources, step
 
     recompiles = RecompileCounter()
     record = {"steps": [], "t_probe": time.time()}
-    acc = {"padded": 0, "load_s": 0.0}
-    real_micro_batch, real_read, real_step = step.micro_batch, FeatureCache.read, loop.optimizer_step
+    acc = {"padded": 0}
+    real_micro_batch, real_step = step.micro_batch, loop.optimizer_step
+    real_waits = {cls: cls.take_wait for cls in (sources.Source, sources.PrefetchSource)}
 
     def micro_batch(*args, **kwargs):
         out = real_micro_batch(*args, **kwargs)
         acc["padded"] += out[1].attention_mask.numel()
         return out
 
-    def read(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return real_read(self, *args, **kwargs)
-        finally:
-            acc["load_s"] += time.perf_counter() - t
+    def waited(real):
+        def take_wait(self):
+            seconds = real(self)
+            if record["steps"]:  # the loop takes the wait right after the step it belongs to
+                record["steps"][-1]["load_s"] += seconds
+            return seconds
+        return take_wait
 
     def optimizer_step(run, order, **kwargs):
         if not record["steps"] and torch.cuda.is_initialized():
@@ -142,13 +145,15 @@ def probe(record_path: str, argv: list[str]) -> None:
                                            "reserved": torch.cuda.max_memory_reserved(),
                                            "recompiles": recompiles.count, "graphs": recompiles.graphs()}
             torch.cuda.reset_peak_memory_stats()
-        acc.update(padded=0, load_s=0.0)
+        acc.update(padded=0)
         t = time.time()
         result = real_step(run, order, **kwargs)
-        record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=acc["load_s"]))
+        record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=0.0))
         return result
 
-    step.micro_batch, FeatureCache.read, loop.optimizer_step = micro_batch, read, optimizer_step
+    step.micro_batch, loop.optimizer_step = micro_batch, optimizer_step
+    for cls, real in real_waits.items():
+        cls.take_wait = waited(real)
     try:
         cli.main(argv)
     finally:
@@ -260,7 +265,8 @@ METHODS = {
     "floor_*": "FLOPs of the steady window's batches (step_flops; a packed run: its real tokens x the data's "
                "mean FLOPs per real token) / the matmul rate measured in this process; "
                "frac = floor time / measured time",
-    "input_wait_frac": "offline: s inside FeatureCache.read / steady window s",
+    "input_wait_frac": "offline: s the training thread waited on the prefetching reader (the loop's "
+                       "input_wait_s) / steady window s",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }
 

@@ -124,6 +124,13 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
         assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
+    # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
+    from eagle3fn.train.metrics import read_metrics
+
+    waits = [s["load_s"] for s in json.loads((work / "logs" / "offline-loss.json").read_text())["steps"]]
+    logged = [r["input_wait_s"] for r in read_metrics(work / "logs" / "offline-loss.metrics.jsonl")
+              if r.get("split") != "eval"]
+    assert waits == pytest.approx(logged, abs=1e-6) and len(waits) == 3
     for loop in ("online", "offline"):
         mine, theirs = rows[(loop, "loss")], rows[(loop, "specforge")]
         assert mine["vs_specforge"] == pytest.approx(mine["tokens_per_s"] / theirs["tokens_per_s"], rel=1e-2)
