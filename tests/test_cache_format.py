@@ -33,7 +33,8 @@ def workdir(tmp_path_factory, no_gpu):
 
 def config(workdir, out, **kw):
     base = dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
-                draft_vocab_size=64, batch_size=2, epochs=1, ttt_length=3, save_every=4, lr=1e-3)
+                draft_vocab_size=64, batch_size=2, epochs=1, ttt_length=3, save_every=4, lr=1e-3,
+                pack=False)  # one conversation per row: the comparison is batch by batch
     return TrainConfig(**{**base, **kw})
 
 

@@ -16,7 +16,7 @@ from eagle3fn.train import CHECKPOINT, METRICS, train
 from eagle3fn.train.metrics import read_metrics
 
 SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_every=1, lr=1e-3,
-                trim_loss_positions=True)
+                trim_loss_positions=True, pack=False)  # a step per conversation: room to kill mid-run
 
 
 @pytest.mark.parametrize("source", ["online", "cache"])
@@ -31,7 +31,8 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, sour
         prepare_cache(tmp_path, tmp_path / "cache", "--batch-size", "1", storage="bfloat16")
         data = dict(model=str(tmp_path / "model"), cache=str(tmp_path / "cache"))
     killed = tmp_path / "killed"
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in {**data, **SETTINGS}.items()]
+    flags = [(f"--no-{k}" if v is False else f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}"))
+             for k, v in {**data, **SETTINGS}.items()]
     cmd = [sys.executable, "-m", "eagle3fn.cli", "train", *flags, f"--out-dir={killed}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

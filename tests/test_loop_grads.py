@@ -165,9 +165,14 @@ def spawned(workdir, cache, tmp_path_factory):  # noqa: F811
     """(configs, {name: first gradients}) of every distributed case, one 2-rank launch."""
     root = tmp_path_factory.mktemp("spawned")
     runs = spawned_runs(workdir, cache, root)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(rank_main, args=(2, str(root / "pg"), runs, str(root / "grads.pt")),
-                             nprocs=2, join=False, start_method="spawn")
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the spawned ranks only: restored below
+    try:
+        ctx = mp.start_processes(rank_main, args=(2, str(root / "pg"), runs, str(root / "grads.pt")),
+                                 nprocs=2, join=False, start_method="spawn")
+    finally:  # left set, it reached later tests' subprocesses (test_kill_resume's bitwise
+        if before is None:  # comparison of a subprocess run with an in-process one)
+            os.environ.pop("OMP_NUM_THREADS", None)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

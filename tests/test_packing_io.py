@@ -136,15 +136,17 @@ def test_packed_target_refuses_multimodal_inputs():
 # ---------------------------------------------------------------------------- refusals
 
 
-def test_sequence_parallelism_with_packing_is_refused():
+def test_sequence_parallelism_runs_unpacked():
+    """Packing is on by default and off under sequence parallelism (its rows are split
+    across ranks). A packed sequence cannot be split."""
     from eagle3fn.errors import UsageError
     from eagle3fn.parallel import ParallelConfig, shard_sequence
     from eagle3fn.train.config import TrainConfig
 
+    assert TrainConfig(model="m", data="d").packs  # the default
     for par in (ParallelConfig(ring=2), ParallelConfig(ulysses=2)):
-        with pytest.raises(UsageError, match="--pack with --parallel.ring .* drop --pack"):
-            TrainConfig(model="m", data="d", pack=True, parallel=par)
-    TrainConfig(model="m", data="d", pack=True)  # one rank per sequence: fine
+        assert not TrainConfig(model="m", data="d", parallel=par).packs
+    assert not TrainConfig(model="m", data="d", pack=False).packs
     f = Features(input_ids=torch.zeros(1, 6, dtype=torch.long), aux=torch.zeros(1, 6, 3),
                  attention_mask=torch.ones(1, 6), positions=torch.tensor([[0, 1, 2, 0, 1, 2]]))
     with pytest.raises(UsageError, match="cannot be split by sequence parallelism"):

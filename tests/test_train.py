@@ -21,9 +21,12 @@ def workdir(tmp_path_factory):
 
 
 def config(workdir, out, **kw):
+    """The tiny run most loop tests share: one conversation per batch row (``pack`` off:
+    their counts of steps and their oracles are per conversation; packing has its own
+    exactness tests, tests/test_packing_io.py)."""
     base = dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
                 draft_vocab_size=64, batch_size=2, epochs=2, ttt_length=3, save_every=2, lr=1e-3,
-                trim_loss_positions=True)
+                trim_loss_positions=True, pack=False)
     return TrainConfig(**{**base, **kw})
 
 

@@ -82,7 +82,7 @@ def shard_sequence(features: Features, supervised_BL: torch.Tensor, sp: int, sp_
         # The cross-rank attention and the row maps of a chunk know no document bounds.
         raise UsageError("a packed batch (positions restarting per document) cannot be split by "
                          "sequence parallelism; train it with --parallel.ring 1 --parallel.ulysses 1 "
-                         "or without --pack")
+                         "or with --no-pack")
     last = positions[:, -1:]
     extended = torch.cat([positions, last + torch.arange(1, T + 1, device=last.device)], dim=1)
     local = Features(

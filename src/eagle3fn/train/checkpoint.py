@@ -61,8 +61,9 @@ def run_fingerprint(cfg, *, device: torch.device, precision: torch.dtype, world:
     from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
 
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_TRAJECTORY}
-    if not settings.get("pack"):  # absent when off: runs from before the flag still resume
-        settings.pop("pack", None)
+    settings.pop("pack", None)  # what counts is whether batches are packed (``packs``):
+    if cfg.packs:  # absent when unpacked, so runs from before the flag still resume
+        settings["pack"] = True
     settings.update(trim=cfg.trim_mode, device=device.type, precision=str(precision).removeprefix("torch."),
                     world=world)
     out = {"settings": _jsonable(settings), "target": target_fingerprint(cfg.model, cfg.gguf_file),

@@ -99,7 +99,7 @@ def online_source(cfg: TrainConfig, device: torch.device):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def load(group):
-        if cfg.pack:  # rows of conversations, one shape [batch_size, max_length]
+        if cfg.packs:  # rows of conversations, one shape [batch_size, max_length]
             b = collate_packed(group, pad, cfg.max_length)
             packed = {"position_ids": b["position_ids"].to(device)}
         else:
@@ -109,10 +109,10 @@ def online_source(cfg: TrainConfig, device: torch.device):
 
     def describe(group):
         return "conversations at " + ", ".join(e.source for item in group
-                                                for e in (item if cfg.pack else [item]))
+                                                for e in (item if cfg.packs else [item]))
 
     def source(part):
-        part = pack_examples(part, cfg.max_length) if cfg.pack else part  # rows of conversations
+        part = pack_examples(part, cfg.max_length) if cfg.packs else part  # rows of conversations
         return Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load,
                       describe=describe)
     cut = len(examples) - cfg.eval_holdout
@@ -140,7 +140,7 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     def load_host(i, window=None):
         item = cache.read(i, window)
         features, loss_mask = item.features, item.loss_mask
-        if cfg.pack:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
+        if cfg.packs:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
             features, loss_mask = pack_features(features, loss_mask, cfg.max_length)
         return dataclasses.replace(features, target_head=None), loss_mask  # the head is on the device once
 
