@@ -174,8 +174,9 @@ class BenchArgs:
     modes: tuple[Mode, ...] = ("none", "loss", "backbone", "auto")
     """``eagle3fn train --trim`` modes to run for each loop."""
     packs: tuple[bool, ...] = (False,)
-    """Run each mode unpacked (False) and/or with ``--pack`` (True: conversations packed
-    into rows of ``--max-length``; the run's mode is reported as ``<mode>+pack``)."""
+    """Run each mode unpacked (False: ``--no-pack``, SpecForge's batches) and/or packed
+    (True: ``--pack``, eagle3fn's default; the run's mode is reported as
+    ``<mode>+pack``)."""
     specforge: bool = True
     """Also run the SpecForge 0.2.0 loop for each loop kind (after the eagle3fn runs)."""
     steps: int = 80
@@ -259,7 +260,7 @@ class Bench:
                 "--max-length", str(a.max_length), "--max-steps", str(a.steps), "--epochs", "1",
                 "--draft-vocab-size", str(self.shape.draft_vocab), "--ttt-length", str(a.ttt_length),
                 "--lr", str(a.lr), "--seed", str(a.seed), "--device", self.device, "--save-every", str(10**9),
-                "--log-every", "1", *(["--pack"] if pack else []), *shlex.split(a.train_args)]
+                "--log-every", "1", "--pack" if pack else "--no-pack", *shlex.split(a.train_args)]
 
 
 def resolve(args: BenchArgs) -> tuple[BenchArgs, Shape, Path]:
