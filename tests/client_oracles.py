@@ -29,6 +29,7 @@ H draft hidden, Ht target hidden, V target vocab, Vd draft vocab.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -104,20 +105,15 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-_SGLANG = None
-
-
-def sglang_eagle3():
-    """SGLang's ``llama_eagle3`` module, importable on CPU (skips when SGLang is absent).
-
-    The stand-ins are visible only while SGLang imports: afterwards ``find_spec`` of
-    those names answers as before (transformers' availability checks stay true)."""
-    global _SGLANG
-    if _SGLANG is not None:
-        return _SGLANG
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed (README's test command installs 0.5.23)")
-    roots = [r for r in SGLANG_STAND_INS if importlib.util.find_spec(r) is None]
+def _import_with_stand_ins(package: str, installs: str, stand_ins, modules: tuple[str, ...]):
+    """Import ``modules`` of ``package`` (the first is returned; skips when ``package`` is
+    absent, naming ``installs``) with the ``stand_ins`` roots that are not installed
+    served by ``_StandInFinder`` for the duration of the import only: afterwards
+    ``find_spec`` of those names answers as before (transformers' availability checks
+    stay true) and the stand-in modules leave ``sys.modules``."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (README's test command installs {installs})")
+    roots = [r for r in stand_ins if importlib.util.find_spec(r) is None]
     # transformers decides what is installed at its first import of these modules.
     import transformers.models.auto.processing_auto  # noqa: F401
 
@@ -126,17 +122,23 @@ def sglang_eagle3():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            module = importlib.import_module("sglang.srt.models.llama_eagle3")
+            loaded = [importlib.import_module(m) for m in modules]
     finally:
         sys.meta_path.remove(finder)
         for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
             del sys.modules[name]
+    return loaded[0]
+
+
+@functools.cache
+def sglang_eagle3():
+    """SGLang's ``llama_eagle3`` module, importable on CPU (skips when SGLang is absent)."""
+    module = _import_with_stand_ins("sglang", "0.5.23", SGLANG_STAND_INS, ("sglang.srt.models.llama_eagle3",))
     # Its CPU-engine flag would route RoPE and norms to sgl_kernel's CPU ops; the
     # native torch path is what a CPU check can run (the rotary base class reads it).
     import sglang.srt.layers.rotary_embedding.base as rotary_base
 
     rotary_base._is_cpu = True
-    _SGLANG = module
     return module
 
 
@@ -251,30 +253,10 @@ def sglang_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
 # Modules speculators' package import names (data generation, HTTP clients, logging)
 # that loading and running ``Eagle3DraftModel`` never calls.
 SPECULATORS_STAND_INS = ("aiohttp", "datasets", "hs_connectors", "httpx", "openai")
-_SPECULATORS = None
-
-
+@functools.cache
 def speculators_eagle3():
     """speculators' ``models.eagle3`` module (skips when speculators is absent)."""
-    global _SPECULATORS
-    if _SPECULATORS is not None:
-        return _SPECULATORS
-    if importlib.util.find_spec("speculators") is None:
-        pytest.skip("speculators is not installed (README's test command installs 0.9.0)")
-    import transformers.models.auto.processing_auto  # noqa: F401
-
-    finder = _StandInFinder([r for r in SPECULATORS_STAND_INS if importlib.util.find_spec(r) is None])
-    sys.meta_path.append(finder)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = importlib.import_module("speculators.models.eagle3")
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
-            del sys.modules[name]
-    _SPECULATORS = module
-    return module
+    return _import_with_stand_ins("speculators", "0.9.0", SPECULATORS_STAND_INS, ("speculators.models.eagle3",))
 
 
 def tiny_target(path: Path, embed: torch.Tensor, *, num_layers: int, intermediate_size: int = 64,
@@ -337,32 +319,12 @@ def speculators_ttt_logits(model, input_ids: torch.Tensor, aux: torch.Tensor,
 # EAGLE-3 weight loading never calls.
 VLLM_STAND_INS = ("aiohttp", "cloudpickle", "cpuinfo", "llguidance", "prometheus_client", "uvloop",
                   "xgrammar", "zmq")
-_VLLM = None
-
-
+@functools.cache
 def vllm_eagle3():
     """vLLM's ``llama_eagle3`` module (skips when vLLM is absent). Its compiled ops
     (``vllm._C``) are absent on a CPU-only install: vLLM itself logs that and goes on."""
-    global _VLLM
-    if _VLLM is not None:
-        return _VLLM
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (README's test command installs 0.34.0)")
-    import transformers.models.auto.processing_auto  # noqa: F401
-
-    finder = _StandInFinder([r for r in VLLM_STAND_INS if importlib.util.find_spec(r) is None])
-    sys.meta_path.append(finder)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = importlib.import_module("vllm.model_executor.models.llama_eagle3")
-            importlib.import_module("vllm.model_executor.layers.linear")
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
-            del sys.modules[name]
-    _VLLM = module
-    return module
+    return _import_with_stand_ins("vllm", "0.34.0", VLLM_STAND_INS,
+                                  ("vllm.model_executor.models.llama_eagle3", "vllm.model_executor.layers.linear"))
 
 
 def vllm_draft(export_dir: Path, target_vocab_size: int):
