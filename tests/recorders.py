@@ -61,3 +61,20 @@ def prepare_cache(workdir, out, *extra: str, storage: str = "float32"):
     main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
           "--out", str(out), "--batch-size", "2", "--storage", storage, *extra])
     return out
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module; its sibling imports (``meta``,
+    ``train_target``, ...) resolve from ``benchmarks/``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

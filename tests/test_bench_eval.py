@@ -2,27 +2,17 @@
 and the instrumented runs, the JSON and the table), and the split of its time into
 target forwards and overhead checked against the forward count."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from recorders import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """``benchmarks/eval.py`` as a module (its ``meta`` import resolves from benchmarks/)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_eval", BENCH / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/eval.py`` as a module."""
+    return load_benchmark("eval")
 
 
 @pytest.fixture(autouse=True)

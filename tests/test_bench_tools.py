@@ -4,28 +4,17 @@ itself is checked by eye) and meta.py's run identity that every JSON carries."""
 import dataclasses
 import datetime
 import importlib.metadata
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recorders import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
 
 
-def load(name: str):
-    """``benchmarks/<name>.py`` as a module; its sibling imports (``meta``, ``timing``)
-    resolve from ``benchmarks/``."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 def git(repo: Path, *args: str) -> str:

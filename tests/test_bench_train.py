@@ -2,30 +2,20 @@
 and from the offline cache, the SpecForge 0.2.0 loop beside it), the synthetic data
 against its documented distribution, the padding count and the FLOP floors."""
 
-import importlib.util
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from recorders import load_benchmark
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """``benchmarks/train.py`` as a module (its ``meta`` import resolves from benchmarks/)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_train", BENCH / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/train.py`` as a module."""
+    return load_benchmark("train")
 
 
 def test_padding_fraction_is_the_hand_count(bench):
