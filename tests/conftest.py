@@ -17,3 +17,23 @@ settings.load_profile("ci")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): tiny matmuls, where OpenMP
+    fork-join costs more than the work on a loaded CPU. Opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def no_gpu():
+    """The CPU machine's defaults for a whole module (auto device -> cpu, fp32), GPU or
+    not. Opt in with ``pytestmark = pytest.mark.usefixtures("no_gpu")`` or by naming it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield

@@ -7,23 +7,13 @@ import json
 import pytest
 from recorders import load_benchmark
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def bench():
     """``benchmarks/eval.py`` as a module."""
     return load_benchmark("eval")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: OpenMP fork-join costs more than the work on a loaded CPU."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_tiny_cpu_run(bench, tmp_path, capsys):

@@ -15,12 +15,7 @@ from eagle3fn.io.cache import FeatureCache, cache_info, layout
 from eagle3fn.train import CHECKPOINT, train
 from eagle3fn.train.config import TrainConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def no_gpu():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: False)
-        yield
+pytestmark = pytest.mark.usefixtures("no_gpu")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from eagle3fn.io.cache import (MANIFEST, FeatureCache, cache_fingerprint, check_
                                verify_cache)
 from eagle3fn.io.fingerprint import diff, file_fingerprint, short, target_fingerprint
 
+pytestmark = pytest.mark.usefixtures("no_gpu")
+
 
 def _weights(path, seed, **extra):
     torch.manual_seed(seed)
@@ -121,14 +123,6 @@ def test_diff_lists_each_flattened_key():
 # ---- the offline cache, prepared by the CLI on a tiny saved target ----
 
 SHARD1 = "shard-000001.safetensors"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_gpu():
-    """The CPU machine's defaults everywhere (auto device -> cpu, fp32), GPU or not."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: False)
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,7 @@ AUX = (1, 3, 4)
 PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61])
 NEW = 16
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: OpenMP fork-join costs more than the work on a loaded CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_target(vocab=V, layers=8, aux=AUX, seed=0, constant=False):
