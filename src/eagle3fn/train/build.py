@@ -167,13 +167,12 @@ class Run:
 
     def compute_params(self) -> dict[str, torch.Tensor]:
         """The draft's parameters for one forward: gathered from the shards under
-        torchrun (kept in ``whole`` for ``reduce_grads``), cast to the compute dtype."""
+        torchrun (kept in ``whole`` for ``reduce_grads``), cast to the compute dtype
+        (``Tensor.to`` returns the tensor itself where it already has that dtype)."""
         current = self.params
         if self.layout:
             self.whole = gather(self.trainable)
             current = {**self.params, **self.whole}
-        if all(p.dtype == self.precision for p in current.values()):
-            return current
         return {n: p.to(self.precision) for n, p in current.items()}
 
     def save(self, path: Path | None = None, **extra) -> None:
