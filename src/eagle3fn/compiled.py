@@ -73,7 +73,9 @@ def compile_on_cpu(backend: str = "aot_eager"):
 @functools.lru_cache(maxsize=4)
 def compiled_flex(backend: str = "inductor"):
     """``torch.compile(flex_attention, dynamic=True)`` with ``backend``, built once
-    per process and backend."""
+    per process and backend. Raises ``torch._dynamo.config.cache_size_limit`` (dynamo's
+    recompile budget, shared by every ``torch.compile`` of the process, other
+    libraries' too) to at least 64 the first time; it is never lowered."""
     from torch.nn.attention.flex_attention import flex_attention
 
     # Every torch.compile(flex_attention) in the process (other libraries' too) shares

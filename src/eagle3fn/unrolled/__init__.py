@@ -5,8 +5,8 @@
     layout.py    the steps' index maths, planned on the host and uploaded once per batch
     attention.py one step's attention: eager, packed FlexAttention, log-sum-exp merges
     unroll.py    the k steps of the draft layer, the head and loss per step -> ``ttt``
-    runtime.py   the process-wide settings touched on the way (dynamo's recompile
-                 budget, the intra-op thread count around the host index maths)
+    runtime.py   the intra-op thread count around the host index maths (what is
+                 compiled, and dynamo's recompile budget: ``eagle3fn.compiled``)
 
 ``ttt(params, features, rowmap, config, d2t=, t2d=)`` is the function; everything
 else here is what other packages (``eagle3fn.parallel``, ``eagle3fn.plan``) and

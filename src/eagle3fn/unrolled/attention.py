@@ -35,8 +35,7 @@ from eagle3fn.kernels import merge as merge_kernel
 from eagle3fn.shapes import Features
 from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
                                       AttentionImpl, TTTConfig)
-from eagle3fn.compiled import compile_backend
-from eagle3fn.unrolled.runtime import compiled_flex
+from eagle3fn.compiled import compile_backend, compiled_flex
 
 FLEX_BLOCK = 128
 """FlexAttention's block size, in rows, for queries and keys alike."""

@@ -1,9 +1,6 @@
-"""The process-wide settings the unrolled objective touches, all of them here.
+"""The process-wide settings the unrolled objective touches (besides dynamo's recompile
+budget, which ``eagle3fn.compiled.compiled_flex`` raises).
 
-- ``compiled_flex`` (``eagle3fn.compiled``) raises
-  ``torch._dynamo.config.cache_size_limit`` (dynamo's recompile budget, shared by every
-  ``torch.compile`` of the process, other libraries' too) to at least 64, once, the
-  first time the compiled FlexAttention is needed. It is never lowered.
 - ``one_thread`` sets PyTorch's intra-op thread count (``torch.set_num_threads``,
   process-wide) to 1 for the duration of one call and restores it after, also when
   the call raises.
@@ -14,8 +11,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from eagle3fn.compiled import compiled_flex  # noqa: F401 - the unrolled package's entry
 
 
 def one_thread(fn):
