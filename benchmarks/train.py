@@ -364,7 +364,9 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
                   else per_token_floors(bench, loop, steps) if pack else None)
         row.update(summarise(steps, warmup=bench.args.warmup_steps, launched=launched,
                              ceiling_tflops=bench.ceiling, floors=floors, before=record.get("before_first_step")),
-                   batches_match=match, recompile_examples=record["recompile_examples"])
+                   batches_match=match, recompile_examples=record["recompile_examples"],
+                   compile_profile=record.get("compile_profile"),
+                   warmup_step_s=[round(s["t_end"] - s["t_start"], 2) for s in steps[:bench.args.warmup_steps]])
         if loop == "online":  # the loop reads no cache
             row.pop("input_wait_frac")
         if sampler is not None:

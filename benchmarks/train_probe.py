@@ -158,7 +158,27 @@ def probe(record_path: str, argv: list[str]) -> None:
         cli.main(argv)
     finally:
         record["recompile_examples"] = recompiles.examples
+        record["compile_profile"] = compile_profile()
         Path(record_path).write_text(json.dumps(record))
+
+
+#: dynamo/inductor phases ``compile_profile`` reports (the rest are their parts)
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function",
+                  "compile_fx.<locals>.fw_compiler_base", "compile_fx.<locals>.bw_compiler",
+                  "async_compile.wait", "PyCodeCache.load_by_key_path", "build_guards")
+
+
+def compile_profile() -> dict:
+    """Seconds this process spent in the main compile phases, summed over every
+    compilation (``torch._dynamo.utils.compile_times``): the warm-up's profile.
+    ``_compile.compile_inner`` is dynamo's whole compile of a frame (tracing, AOT
+    autograd, inductor's forward compile); backward graphs compile lazily, at the
+    first backward (``bw_compiler``)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = {n: sum(float(x) for x in str(v).split(",")) for n, v in zip(names, values)}
+    return {n: round(seconds[n], 2) for n in COMPILE_PHASES if n in seconds}
 
 
 class GpuSampler:
@@ -267,6 +287,9 @@ METHODS = {
                "frac = floor time / measured time",
     "input_wait_frac": "offline: s the training thread waited on the prefetching reader (the loop's "
                        "input_wait_s) / steady window s",
+    "compile_profile": "s the eagle3fn process spent in dynamo/inductor compile phases, summed over every "
+                       "compilation (torch._dynamo.utils.compile_times, aggregated)",
+    "warmup_step_s": "wall s of each warm-up step (device-synced), compilation included",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }
 
