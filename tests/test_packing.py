@@ -27,7 +27,7 @@ from eagle3fn.unrolled import TTTConfig, eager_attention, ttt
 from eagle3fn.vocab import build_vocab_map
 
 TOKEN, LOCAL = LossConfig(normalization="token_mean"), LossConfig()
-DOCS = (7, 3, 9, 5, 2, 8, 6)  # first-fit into 16: rows [0, 1, 3], [2, 4], [5, 6]
+DOCS = (7, 3, 9, 5, 2, 8, 6)  # best fit, longest first, into 16: rows [2, 0], [5, 6, 4], [3, 1]
 ROW = 16
 
 
@@ -101,9 +101,10 @@ def batches():
 def test_packed_layout_of_the_fixture(batches):
     _, (packed, *_) = batches
     assert packed.input_ids.shape == (3, ROW)
-    assert packed.attention_mask.sum(1).tolist() == [15, 11, 14]
-    assert packed.positions[0].tolist() == [*range(7), *range(3), *range(5), 5]
-    assert document_starts(packed.positions)[1].tolist() == [0] * 9 + [9] * 7
+    assert packed.attention_mask.sum(1).tolist() == [16, 16, 8]
+    assert packed.positions[0].tolist() == [*range(9), *range(7)]
+    assert packed.positions[2].tolist() == [*range(5), *range(11)]  # padding continues the last
+    assert document_starts(packed.positions)[1].tolist() == [0] * 8 + [8] * 6 + [14] * 2
 
 
 @pytest.mark.parametrize("loss", [TOKEN, LOCAL], ids=["token_mean", "local_mean"])
@@ -200,7 +201,7 @@ def test_doc_end_teacher_is_refused(batches):
     whose z' is the next conversation's: ttt refuses it."""
     _, (pf, pm, params, d2t, t2d) = batches
     last = torch.zeros_like(pm)
-    last[0, 6] = True  # the end of the first conversation (length 7)
+    last[0, 8] = True  # the end of the first conversation (length 9)
     rm = build_rowmap(supervised_mask(last, pf.attention_mask), K, positions=pf.positions)
     with pytest.raises(ValueError, match="last of its packed document"):
         ttt(params, pf, rm, TTTConfig(draft=CFG, ttt_length=K), d2t=d2t, t2d=t2d)

@@ -44,21 +44,27 @@ def _example(n, source):
 
 
 def test_pack_examples_and_collate():
-    """First-fit in file order, never splitting; a conversation longer than max_length
+    """Best fit, longest first, never splitting; a conversation longer than max_length
     is cut (as without packing); positions restart, padding continues the last."""
     ex = [_example(n, f"f:{i}") for i, n in enumerate([5, 3, 12, 2, 4])]
     rows = pack_examples(ex, 8)
-    assert [[e.source for e in r] for r in rows] == [["f:0", "f:1"], ["f:2"], ["f:3", "f:4"]]
-    assert len(rows[1][0]) == 8 and torch.equal(rows[1][0].input_ids, ex[2].input_ids[:8])
-    assert pack_examples(ex, 8)[0][0] is ex[0]  # a short conversation is passed as it is
+    assert [[e.source for e in r] for r in rows] == [["f:2"], ["f:0", "f:1"], ["f:4", "f:3"]]
+    assert len(rows[0][0]) == 8 and torch.equal(rows[0][0].input_ids, ex[2].input_ids[:8])
+    assert rows[1][0] is ex[0]  # a short conversation is passed as it is
     assert [[e.source for e in r] for r in pack_examples(ex, 8)] == [[e.source for e in r] for r in rows]
     b = collate_packed(rows, pad_token_id=0, length=10)
     assert {k: tuple(v.shape) for k, v in b.items()} == {k: (3, 10) for k in b}
-    assert b["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
-    assert b["position_ids"][2].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert b["position_ids"][0].tolist() == list(range(10))
+    assert b["position_ids"][2].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     assert b["attention_mask"].sum(1).tolist() == [8, 8, 6]
-    assert b["input_ids"][2].tolist() == [1, 2, 1, 2, 3, 4, 0, 0, 0, 0]
-    assert b["loss_mask"][0].tolist() == [False, True, False, True, False, False, True, False, False, False]
+    assert b["input_ids"][2].tolist() == [1, 2, 3, 4, 1, 2, 0, 0, 0, 0]
+    assert b["loss_mask"][1].tolist() == [False, True, False, True, False, False, True, False, False, False]
+    # Rows of 16 (two conversations cut at 8 now share one): still cut at max_length.
+    long_rows = pack_examples(ex, 8, length=16)
+    assert [[e.source for e in r] for r in long_rows] == [["f:2", "f:0", "f:1"], ["f:4", "f:3"]]
+    assert collate_packed(long_rows, 0, 16)["position_ids"][0].tolist() == [*range(8), *range(5), *range(3)]
+    with pytest.raises(ValueError, match="row length"):
+        pack_examples(ex, 8, length=7)
 
 
 # ---------------------------------------------------------------------------- target

@@ -1,7 +1,8 @@
-"""Sequence packing (SPEC section 9): several conversations per row, up to ``max_length``.
+"""Sequence packing (SPEC section 9): several conversations per row of ``length`` tokens.
 
-Legend: L tokens of one conversation, B packed rows of a batch, S = ``max_length``
-(every packed batch has that one length), Ht target hidden size.
+Legend: L tokens of one conversation, B packed rows of a batch, N the row length
+(``--pack-length``, default ``max_length``; every packed batch has that one length),
+W the packing window, Ht target hidden size.
 
 A packed row holds documents (conversations) one after another, then right padding.
 ``position_ids`` restart at 0 in every document and padding continues the last one,
@@ -10,18 +11,27 @@ and every later stage (target, alignment, row maps, attention, RoPE) keeps docum
 apart from that one tensor (``Features.positions``)::
 
     first_fit(lengths, capacity)              row of each item: first-fit in order
-    pack_examples(examples, max_length)       conversations -> rows (lists of Examples)
-    collate_packed(rows, pad_token_id, S)     input_ids / attention_mask / loss_mask /
-                                              position_ids [B, S]
-    pack_features(features, loss_mask, S)     a cached batch (one conversation per row),
-                                              packed at read time
+    best_fit_decreasing(lengths, capacity, W) rows: windows of W consecutive items,
+                                              longest first, best fit; a window's
+                                              rows stay open through the next one
+    plan_rows(lengths, max_length, N, W)      the rows the loop trains on (cut, then BFD)
+    pack_examples(examples, max_length, ...)  conversations -> rows (lists of Examples)
+    collate_packed(rows, pad_token_id, N)     input_ids / attention_mask / loss_mask /
+                                              position_ids [B, N]
+    gather_packed(parts, rows, N)             rows of conversations taken from unpacked
+                                              feature batches (cache shards)
+    pack_features(features, loss_mask, ...)   one unpacked feature batch, packed
 
 Packing is deterministic and never splits a conversation; one longer than
-``max_length`` is cut to its first ``max_length`` tokens, as without packing.
+``max_length`` is cut to its first ``max_length`` tokens, as without packing. The
+window keeps the data order at the scale of W conversations (a row never mixes
+conversations more than 2W apart in the file) while sorting inside it fills rows
+better than first-fit in order (benchmarks/packing.py measures both).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -64,20 +74,71 @@ def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+PACK_WINDOW = 128
+"""Default packing window W (``--pack-window``). benchmarks/packing.py on its
+WildChat-like data (mean ~1640 tokens, cut at 2048), padding at W = 32 / 128 / all
+4000 conversations: 8.3 / 7.4 / 6.8% in rows of 2048, 1.3 / 0.7 / 0.6% in rows of 8192."""
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int, window: int = PACK_WINDOW) -> list[list[int]]:
+    """Bins of item indices, packed by consecutive windows of ``window`` items (the
+    last may be shorter): each window's items longest first (equal lengths in index
+    order), each into the open bin with the least room that still fits it (the
+    earliest opened among equals), a new bin when none fits. The bins opened in a
+    window stay open through the next window, then close: a bin holds items at most
+    ``2 * window`` apart, and no window's last bins are left half empty. Bins come in
+    the order opened; items in a bin in the order placed. ``O(n log n + n * open
+    bins)``. Every
+    length must be in ``[1, capacity]``."""
+    if capacity < 1 or window < 1:
+        raise ValueError(f"capacity ({capacity}) and window ({window}) must be >= 1")
+    bad = [L for L in lengths if not 1 <= L <= capacity]
+    if bad:
+        raise ValueError(f"item lengths must be in [1, {capacity}], got {bad[:5]}")
+    bins: list[list[int]] = []
+    opened: list[int] = []  # the window each bin was opened in
+    rooms: list[tuple[int, int]] = []  # (room, bin) of open bins, sorted: the best fit is the first room >= L
+    for w, lo in enumerate(range(0, len(lengths), window)):
+        rooms = [(room, b) for room, b in rooms if opened[b] == w - 1]
+        for i in sorted(range(lo, min(lo + window, len(lengths))), key=lambda i: (-lengths[i], i)):
+            j = bisect.bisect_left(rooms, (lengths[i], -1))
+            if j == len(rooms):
+                room, b = capacity, len(bins)
+                bins.append([])
+                opened.append(w)
+            else:
+                room, b = rooms.pop(j)
+            bins[b].append(i)
+            if room > lengths[i]:
+                bisect.insort(rooms, (room - lengths[i], b))
+    return bins
+
+
+def plan_rows(lengths: Sequence[int], max_length: int, length: int | None = None,
+              window: int = PACK_WINDOW) -> list[list[int]]:
+    """The packed rows of conversations of ``lengths`` tokens (indices, in file order):
+    each cut to ``max_length``, then ``best_fit_decreasing`` into rows of ``length``
+    tokens (default ``max_length``; ``>= max_length``) by windows of ``window``."""
+    length = max_length if length is None else length
+    if max_length < 2 or length < max_length:
+        raise ValueError(f"need 2 <= max_length ({max_length}) <= row length ({length})")
+    return best_fit_decreasing([min(L, max_length) for L in lengths], length, window)
+
+
 def _cut(example: Example, max_length: int) -> Example:
     if len(example) <= max_length:
         return example
     return Example(example.input_ids[:max_length], example.loss_mask[:max_length], example.source)
 
 
-def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
-    """Rows of conversations, each row at most ``max_length`` tokens: first-fit in the
-    given (file) order (``first_fit``), a conversation longer than ``max_length`` cut to
-    it, none split across rows. Deterministic; rows come in the order they were opened."""
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
+def pack_examples(examples: Sequence[Example], max_length: int, *, length: int | None = None,
+                  window: int = PACK_WINDOW) -> list[list[Example]]:
+    """Rows of conversations, each row at most ``length`` tokens (default
+    ``max_length``): ``plan_rows`` (windows of ``window`` in the given, file, order,
+    longest first, best fit), a conversation longer than ``max_length`` cut to it,
+    none split across rows. Deterministic."""
     cut = [_cut(e, max_length) for e in examples]
-    return [[cut[i] for i in row] for row in first_fit([len(e) for e in cut], max_length)]
+    return [[cut[i] for i in row] for row in plan_rows([len(e) for e in cut], max_length, length, window)]
 
 
 def _positions(lengths: Sequence[int], width: int) -> torch.Tensor:
@@ -119,39 +180,68 @@ def collate_packed(rows: Sequence[Sequence[Example]], pad_token_id: int,
     return out
 
 
-def pack_features(features: Features, loss_mask_BS: torch.Tensor,
-                  max_length: int) -> tuple[Features, torch.Tensor]:
-    """A batch of one conversation per row (``[B, S, ...]``, right-padded, e.g. a cache
-    shard) packed into rows of ``max_length`` positions: the rows' real tokens, cut
-    to ``max_length``, placed first-fit in row order (``first_fit``), their target
-    features moved along (a packed target forward gives the same features, SPEC 9).
+def gather_packed(parts: Sequence[tuple[Features, torch.Tensor]], rows: Sequence[Sequence[tuple[int, int]]],
+                  length: int, max_length: int | None = None) -> tuple[Features, torch.Tensor]:
+    """Packed rows of conversations taken from unpacked feature batches.
 
-    Returns ``(Features [B', max_length, ...] with positions, loss_mask bool [B',
-    max_length])``; padding is zeros (ids, features, masks). ``target_head`` is shared.
+    Args:
+        parts: ``(Features [B_i, S_i, ...], loss_mask bool [B_i, S_i])``, one
+            conversation per row, right-padded (e.g. cache shards), on one device.
+        rows: per packed row, its conversations as ``(part, row of that part)``, in order.
+        length: N, positions per packed row.
+        max_length: each conversation is cut to its first ``max_length`` tokens (None:
+            kept whole).
+
+    Returns ``(Features [len(rows), N, ...] with positions, loss_mask bool [len(rows),
+    N])``: each conversation's ids, features and mask copied to its place (a packed
+    target forward gives the same features, SPEC 9), zeros on padding (ids, features,
+    masks). ``target_head`` is the first part's. ValueError for a packed part or a row
+    longer than ``length``.
+    """
+    if any(f.positions is not None for f, _ in parts):
+        raise ValueError("gather_packed packs one conversation per row; a part is packed already")
+    first = parts[0][0]
+    real = [[min(int(L), max_length or int(L)) for L in f.attention_mask.sum(1).tolist()] for f, _ in parts]
+    widths = [sum(real[p][b] for p, b in row) for row in rows]
+    if max(widths, default=0) > length:
+        raise ValueError(f"a packed row holds {max(widths)} tokens > length={length}")
+    device, B = first.input_ids.device, len(rows)
+
+    def empty(name):
+        x = getattr(first, name)
+        return None if x is None else torch.zeros(B, length, *x.shape[2:], dtype=x.dtype, device=device)
+    names = ("input_ids", "aux", "target_logits", "final_hidden")
+    out = {n: empty(n) for n in names}
+    mask = torch.zeros(B, length, dtype=torch.bool, device=device)
+    for r, row in enumerate(rows):
+        start = 0
+        for p, b in row:
+            f, m = parts[p]
+            L = real[p][b]
+            for n in names:
+                if out[n] is not None:
+                    out[n][r, start:start + L] = getattr(f, n)[b, :L]
+            mask[r, start:start + L] = m[b, :L]
+            start += L
+    positions = torch.stack([_positions([real[p][b] for p, b in row], length) for row in rows]).to(device)
+    valid = torch.arange(length, device=device)[None] < torch.tensor(widths, device=device)[:, None]
+    return Features(input_ids=out["input_ids"], aux=out["aux"], attention_mask=valid.long(),
+                    target_logits=out["target_logits"], final_hidden=out["final_hidden"],
+                    target_head=first.target_head, positions=positions), mask
+
+
+def pack_features(features: Features, loss_mask_BS: torch.Tensor, max_length: int, *,
+                  length: int | None = None, window: int = PACK_WINDOW) -> tuple[Features, torch.Tensor]:
+    """A batch of one conversation per row (``[B, S, ...]``, right-padded) packed into
+    rows of ``length`` positions (default ``max_length``): the rows' real tokens, cut
+    to ``max_length``, placed by ``plan_rows`` in row order, their target features
+    moved along (``gather_packed``).
+
+    Returns ``(Features [B', length, ...] with positions, loss_mask bool [B', length])``.
     """
     if features.positions is not None:
         raise ValueError("pack_features packs one conversation per row; this batch is packed already")
-    B, S = features.input_ids.shape
-    lengths = [min(int(L), max_length) for L in features.attention_mask.sum(1).tolist()]
-    rows = first_fit(lengths, max_length)
-    source = torch.full((len(rows), max_length), -1, dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = 0
-        for b in row:
-            source[r, start:start + lengths[b]] = b * S + torch.arange(lengths[b])
-            start += lengths[b]
-    positions = torch.stack([_positions([lengths[b] for b in row], max_length) for row in rows])
-    device = features.input_ids.device
-    valid, source = (source >= 0).to(device), source.clamp_min(0).to(device)
-
-    def take(x):
-        if x is None:
-            return None
-        picked = x.flatten(0, 1)[source]
-        return torch.where(valid.view(*valid.shape, *([1] * (picked.dim() - 2))), picked,
-                           torch.zeros((), dtype=picked.dtype, device=device))
-    packed = Features(input_ids=take(features.input_ids), aux=take(features.aux),
-                      attention_mask=valid.long(), target_logits=take(features.target_logits),
-                      final_hidden=take(features.final_hidden), target_head=features.target_head,
-                      positions=positions.to(device))
-    return packed, take(loss_mask_BS.bool())
+    lengths = features.attention_mask.sum(1).tolist()
+    rows = plan_rows(lengths, max_length, length, window)
+    return gather_packed([(features, loss_mask_BS.bool())], [[(0, b) for b in row] for row in rows],
+                         max_length if length is None else length, max_length)

@@ -61,9 +61,10 @@ def run_fingerprint(cfg, *, device: torch.device, precision: torch.dtype, world:
     from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
 
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_TRAJECTORY}
-    settings.pop("pack", None)  # what counts is whether batches are packed (``packs``):
-    if cfg.packs:  # absent when unpacked, so runs from before the flag still resume
-        settings["pack"] = True
+    for key in ("pack", "pack_length", "pack_window"):  # what counts is how batches are packed:
+        settings.pop(key, None)  # absent when unpacked, so runs from before the flags still resume
+    if cfg.packs:
+        settings.update(pack=True, pack_rows={"length": cfg.row_length, "window": cfg.pack_window})
     settings.update(trim=cfg.trim_mode, device=device.type, precision=str(precision).removeprefix("torch."),
                     world=world)
     out = {"settings": _jsonable(settings), "target": target_fingerprint(cfg.model, cfg.gguf_file),

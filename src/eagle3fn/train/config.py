@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from eagle3fn.io.packing import PACK_WINDOW
 from eagle3fn.loss import LossConfig
 from eagle3fn.parallel.mesh import ParallelConfig
 
@@ -131,20 +132,37 @@ class TrainConfig:
     aux_layer_ids: tuple[int, int, int] | None = None
     """Target layers captured (default [1, N//2-1, N-4])."""
     max_length: int = 2048
-    """Tokens per conversation (longer ones are cut); with --pack also per packed row."""
+    """Tokens per conversation (longer ones are cut); with --pack also per packed row,
+    unless --pack-length says otherwise."""
     pack: bool = True
-    """Pack several conversations per row of --max-length tokens (first-fit in data
-    order, never splitting one; offline, a cache shard's conversations are packed as
-    it is read): batches of one shape and little padding, every conversation trained
-    exactly as if alone (positions restart, attention and rows stay inside it; SPEC
-    section 9). On by default (1.26x real tokens/s end to end on an H200 at 8B shapes,
+    """Pack several conversations per row of --pack-length tokens (best fit, longest
+    first, inside windows of --pack-window consecutive conversations; never splitting
+    one; offline across the cache's shards, the held-out ones packed apart): batches of
+    one shape and little padding, every conversation trained exactly as if alone
+    (positions restart, attention and rows stay inside it; SPEC section 9). On by
+    default (1.26x real tokens/s end to end on an H200 at 8B shapes,
     docs/benchmarks.md); off under sequence parallelism (--parallel.ring/ulysses > 1),
     which splits one row across ranks, and with --no-pack. --batch-size then counts
     packed rows. ``token_mean`` is unchanged by packing; ``local_mean`` divides by the
-    positions the batch holds, padding included (rows x --max-length; unpacked:
+    positions the batch holds, padding included (rows x --pack-length; unpacked:
     conversations x the longest), so the loss sums are the same and the means differ
     by exactly the ratio of those counts. --no-pack gives SpecForge's batches (one
     conversation per row, padded to the longest)."""
+    pack_length: int | None = None
+    """Tokens per packed row (>= --max-length; default --max-length). Conversations are
+    still cut at --max-length, so e.g. --pack-length 8192 --batch-size 1 replaces 4 rows
+    of 2048 with one of 8192 and fills it better (padding 1.3% instead of 7.3% on
+    benchmarks/packing.py's chat data; docs/tutorials/packing.md). Offline this costs
+    nothing more; online the target's attention over a packed row (SDPA with a
+    materialized [N, N] block-diagonal mask) costs O(N^2) per row, up to N / max_length
+    times an unpacked row's, and the draft's eager (CPU) attention likewise; the draft's
+    FlexAttention on CUDA skips the blocks outside the documents."""
+    pack_window: int = PACK_WINDOW
+    """Conversations packed together (consecutive in the data, or in the cache's shard
+    order), longest first, each into the fullest row it fits (best-fit decreasing); a
+    window's rows stay open through the next window, so a row mixes conversations at
+    most 2 x this apart. Larger fills rows better but mixes conversations from further
+    apart; measured padding: the --pack-length docstring and benchmarks/packing.py."""
     on_error: Literal["raise", "skip"] = "raise"
     """Bad data lines: stop, or skip and count."""
     ttt_length: int = 7
@@ -283,6 +301,10 @@ class TrainConfig:
             need(getattr(self, flag) >= 1, flag.replace("_", "-"), getattr(self, flag), ">= 1")
         need(self.max_length >= 2, "max-length", self.max_length, ">= 2 (a prompt and an answer token)")
         need(self.seed >= 0, "seed", self.seed, ">= 0")
+        need(self.pack_length is None or self.pack_length >= self.max_length, "pack-length", self.pack_length,
+             f">= --max-length ({self.max_length}): a row holds at least one whole conversation "
+             "(or leave it unset: rows of --max-length)")
+        need(self.pack_window >= 1, "pack-window", self.pack_window, ">= 1, e.g. 256")
 
     @property
     def embedded_default(self) -> bool:
@@ -294,6 +316,11 @@ class TrainConfig:
         """Whether batches are packed: ``pack``, except under sequence parallelism (it
         splits one row across ranks and does not keep packed conversations apart)."""
         return self.pack and self.parallel.sp == 1
+
+    @property
+    def row_length(self) -> int:
+        """Positions per packed row: ``pack_length``, default ``max_length``."""
+        return self.max_length if self.pack_length is None else self.pack_length
 
     @property
     def trim_mode(self) -> str:

@@ -2,14 +2,17 @@
 or the offline feature cache. Each gives the conversations (for the vocab map and the
 held-out prompts) and a ``Source`` of batches, for training and for the held-out tail.
 
-With ``--pack`` (SPEC 9) a batch is ``batch_size`` rows of ``max_length`` positions, each
-holding several conversations (``io.packing``): online, conversations are packed
-first-fit in file order once, and the target runs on the packed rows; offline, each
-cache shard's conversations are packed when it is read (their cached features move
-along: a packed target forward gives the same ones). Either way ``Features.positions``
-restart in every conversation.
+With ``--pack`` (SPEC 9) a batch is ``batch_size`` rows of ``row_length`` positions
+(``--pack-length``, default ``--max-length``), each holding several conversations
+(``io.packing.plan_rows``: best fit, longest first, in windows of ``--pack-window``
+consecutive conversations), planned once from the conversations' lengths: online the
+target runs on the packed rows; offline the rows take conversations from any shard of
+the cache (the training shards, and the held-out shards apart), each batch reading the
+shards it needs, their cached features moved along (a packed target forward gives the
+same ones). Either way ``Features.positions`` restart in every conversation, and the
+two plans are the same for the same conversations in the same order.
 
-Legend: B batch, S padded length.
+Legend: B batch, S padded length, N packed row length.
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def online_source(cfg: TrainConfig, device: torch.device):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def load(group):
-        if cfg.packs:  # rows of conversations, one shape [batch_size, max_length]
-            b = collate_packed(group, pad, cfg.max_length)
+        if cfg.packs:  # rows of conversations, one shape [batch_size, row_length]
+            b = collate_packed(group, pad, cfg.row_length)
             packed = {"position_ids": b["position_ids"].to(device)}
         else:
             b, packed = collate(group, pad), {}
@@ -112,36 +115,59 @@ def online_source(cfg: TrainConfig, device: torch.device):
                                                 for e in (item if cfg.packs else [item]))
 
     def source(part):
-        part = pack_examples(part, cfg.max_length) if cfg.packs else part  # rows of conversations
+        part = (pack_examples(part, cfg.max_length, length=cfg.row_length, window=cfg.pack_window)
+                if cfg.packs else part)  # rows of conversations
         return Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load,
                       describe=describe)
     cut = len(examples) - cfg.eval_holdout
     return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
 
 
+def packed_batches(lengths: list[list[int]], cfg: TrainConfig) -> list[tuple[tuple[tuple[int, int], ...], ...]]:
+    """The packed micro-batches of a cache's shards whose conversations have
+    ``lengths[i]`` tokens (shard i, in order): ``io.packing.plan_rows`` over all of them
+    in shard order (the plan online packing makes of the same conversations), cut into
+    batches of ``batch_size`` rows. Each batch is a tuple of rows, each row a tuple of
+    ``(shard, conversation row in that shard)``."""
+    from eagle3fn.io.packing import plan_rows
+
+    refs = [(i, b) for i, shard in enumerate(lengths) for b in range(len(shard))]
+    rows = plan_rows([L for shard in lengths for L in shard], cfg.max_length, cfg.row_length, cfg.pack_window)
+    rows = [tuple(refs[j] for j in row) for row in rows]
+    return [tuple(rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+
+
 def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2):
     """``(examples, Source)`` for training and for the held-out trailing shards of the
     cache (shards are never split: ``eval_holdout`` must match a number of trailing
-    shards' conversations). Each source reads ``prefetch`` shards ahead in a background
-    thread (``io.prefetch``: the disk read, dequantization and, with ``pack``, packing
-    into rows of ``max_length`` by ``io.packing.pack_features``, into pinned memory),
-    the training thread only copies them to ``device`` (non-blocking) in the compute
-    dtype (a bf16 cache trains on the CPU in fp32) and records its wait
+    shards' conversations). Unpacked, an item is a shard; with ``pack`` a batch of
+    ``packed_batches`` (planned over the training shards, and over the held-out ones
+    apart). Each source reads ``prefetch`` items ahead in a background thread
+    (``io.prefetch``: the disk read, dequantization and, with ``pack``, gathering the
+    conversations into rows (``io.packing.gather_packed``), into pinned memory), the
+    training thread only copies them to ``device`` (non-blocking) in the compute dtype
+    (a bf16 cache trains on the CPU in fp32) and records its wait
     (``Source.take_wait``). The target head moves to the device once."""
     from eagle3fn.io.cache import FeatureCache
     from eagle3fn.io.data import Example
-    from eagle3fn.io.packing import pack_features
+    from eagle3fn.io.packing import gather_packed
     from eagle3fn.io.prefetch import Prefetcher
 
     cache = FeatureCache(cfg.cache)  # host side: CPU tensors in the stored dtypes
     dtype = compute_dtype(cfg, device)
     head = cache.target_head.to(device=device, dtype=dtype)
 
-    def load_host(i, window=None):
-        item = cache.read(i, window)
-        features, loss_mask = item.features, item.loss_mask
-        if cfg.packs:  # a shard's conversations, packed as read (no window: --pack is one rank per sequence)
-            features, loss_mask = pack_features(features, loss_mask, cfg.max_length)
+    def load_host(item, window=None):
+        if cfg.packs:  # rows of conversations from the shards they come from (no window: one rank per sequence)
+            shards = sorted({i for row in item for i, _ in row})
+            parts = [cache.read(i) for i in shards]
+            at = {i: p for p, i in enumerate(shards)}
+            features, loss_mask = gather_packed([(p.features, p.loss_mask) for p in parts],
+                                                [[(at[i], b) for i, b in row] for row in item],
+                                                cfg.row_length, cfg.max_length)
+        else:
+            read = cache.read(item, window)
+            features, loss_mask = read.features, read.loss_mask
         return dataclasses.replace(features, target_head=None), loss_mask  # the head is on the device once
 
     def to_device(host):
@@ -166,9 +192,19 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
                          f"{held[1:-1]} conversations; hold out one of those numbers (or 0)")
     cut = len(shards) - held.index(cfg.eval_holdout)
     flat = lambda part: [e for s in part for e in s]  # noqa: E731
-    describe = lambda i: f"shard {cache.names[i]} of the cache {cfg.cache}"  # noqa: E731
 
-    def source(items):
+    def describe(item):
+        if not cfg.packs:
+            return f"shard {cache.names[item]} of the cache {cfg.cache}"
+        return (f"conversations {', '.join(f'{cache.names[i]}:{b}' for row in item for i, b in row)} "
+                f"of the cache {cfg.cache}")
+
+    def source(ids):
+        if cfg.packs:  # batches of rows planned over these shards' conversations, in shard order
+            batches = packed_batches([[len(e) for e in shards[i]] for i in ids], cfg)
+            items = [tuple(tuple((ids[i], b) for i, b in row) for row in batch) for batch in batches]
+        else:
+            items = list(ids)
         fetch = Prefetcher(load_host, to_device, items, depth=prefetch)
         return PrefetchSource(items, fetch.get, describe, prefetcher=fetch)
     return ((flat(shards[:cut]), source(list(range(cut)))),
