@@ -9,17 +9,29 @@ baseline (``target_generate``), held to independent oracles on tiny fp64 Llama t
   readable twin) with that row's seed, tokens and accepted counts, with a real draft
   whose proposals depend on its cache and rows accepting different counts.
 
+Both implementations (``impl="dynamic"``: the draft cache grown by concatenation;
+``impl="static"``: preallocated buffers of fixed shapes, what CUDA graphs record) run
+every test; with a real draft built to agree with its target often (every acceptance
+count, rows ending at different rounds by EOS, compaction forced) the two give the same
+tokens and the same accepted counts round for round.
+
 Negative controls: a target cache whose rejected slots stay visible, a draft cache
 whose rejected and padding slots stay visible, and compaction that skips the target's
-cache are each caught by the same comparison.
+cache are each caught by the same comparison; so is a static draft that continues from
+the wrong row after a round.
 """
 
 import random
+import types
+from collections import Counter
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import eagle3fn.speculative as spec
+from eagle3fn.draft import DraftConfig, init_params
+from eagle3fn.io.target import load_target
 from eagle3fn.speculative import SpecConfig, evaluate, generate, speculative_generate, target_generate
 from test_speculative import V, greedy, make_draft, make_target
 from test_train import workdir  # noqa: F401 - the tiny target + data fixture
@@ -28,6 +40,7 @@ PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61], [44, 
 NEW = 14
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+IMPLS = pytest.mark.parametrize("impl", spec.IMPLS)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +82,12 @@ def oracle_chain(monkeypatch, references, corrupt, seed=0):
     monkeypatch.setattr(spec._Draft, "chain", chain)
 
 
+@IMPLS
 @pytest.mark.parametrize("k", [1, 4])
-def test_batched_greedy_equals_generate(target, references, k):
+def test_batched_greedy_equals_generate(target, references, k, impl):
     params, cfg, d2t = make_draft(target)
-    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=k, max_new_tokens=NEW))
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=k, max_new_tokens=NEW),
+                   impl=impl)
     for r, ref in zip(out, references):
         assert r.tokens == ref[:NEW]
         assert r.target_forwards == len(r.accepted_per_round) + 1
@@ -80,8 +95,9 @@ def test_batched_greedy_equals_generate(target, references, k):
     assert alone == [ref[:NEW] for ref in references]
 
 
+@IMPLS
 @pytest.mark.parametrize("compact", [False, True])
-def test_batched_rollback_every_acceptance_count(target, references, monkeypatch, compact):
+def test_batched_rollback_every_acceptance_count(target, references, monkeypatch, compact, impl):
     """Rows accept different counts each round (holes in the shared slot layout), and
     finish at different rounds; with ``compact`` the caches are compacted every round."""
     params, cfg, d2t = make_draft(target)
@@ -90,7 +106,7 @@ def test_batched_rollback_every_acceptance_count(target, references, monkeypatch
         monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
     k = 3
     run = lambda: generate(target, None, params, cfg, d2t, prompts(),  # noqa: E731
-                           SpecConfig(num_draft_tokens=k, max_new_tokens=NEW))
+                           SpecConfig(num_draft_tokens=k, max_new_tokens=NEW), impl=impl)
     out = run()
     assert [r.tokens for r in out] == [ref[:NEW] for ref in references]
     counts = [n for r in out for n in r.accepted_per_round]
@@ -101,26 +117,25 @@ def test_batched_rollback_every_acceptance_count(target, references, monkeypatch
     assert [r.tokens for r in run()] != [ref[:NEW] for ref in references]
 
 
-def test_compaction_must_move_both_caches(target, references, monkeypatch):
+@IMPLS
+def test_compaction_must_move_both_caches(target, references, monkeypatch, impl):
     """Negative control of compaction: reordering only the draft's cache is caught."""
     params, cfg, d2t = make_draft(target)
     oracle_chain(monkeypatch, references, corrupt=0.3, seed=2)
     monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
-    real = spec._compact
 
-    def draft_only(cache, keys, values, valid):
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        out = real(cache, keys, values, valid)
-        for layer, (k_, v_) in zip(cache.layers, layers):  # the target's slots left where they were
-            layer.keys, layer.values = k_[:, :, :out[0].shape[2]], v_[:, :, :out[0].shape[2]]
-        return out
+    def cut_only(cache, order):  # the target's slots cut to the new length, not reordered
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :order.shape[1]], layer.values[:, :, :order.shape[1]]
 
-    monkeypatch.setattr(spec, "_compact", draft_only)
-    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW))
+    monkeypatch.setattr(spec, "_compact_target", cut_only)
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW),
+                   impl=impl)
     assert [r.tokens for r in out] != [ref[:NEW] for ref in references]
 
 
-def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch):
+@IMPLS
+def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch, impl):
     """Temperature 1.5, a real fp64 draft: every row's tokens and accepted counts equal
     ``speculative_generate`` of that prompt with seed ``seed + i``. The draft's
     proposals (its distribution q) read its cache, so a draft cache that keeps
@@ -129,18 +144,19 @@ def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch):
     cfg_ = dict(num_draft_tokens=3, max_new_tokens=20, temperature=1.5)
     twins = [speculative_generate(target, None, params, cfg, d2t, p[None], SpecConfig(**cfg_, seed=4 + i))
              for i, p in enumerate(prompts())]
-    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4))
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4), impl=impl)
     assert [r.tokens for r in out] == [t.tokens for t in twins]
     assert [r.accepted_per_round for r in out] == [t.accepted_per_round for t in twins]
     assert len({n for t in twins for n in t.accepted_per_round}) >= 3
     real = spec._cached_attend
     monkeypatch.setattr(spec, "_cached_attend",
                         lambda q, k, v, hidden, ok, ov: real(q, k, v, torch.zeros_like(hidden), ok, ov))
-    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4))
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4), impl=impl)
     assert [r.tokens for r in out] != [t.tokens for t in twins]
 
 
-def test_batched_eos_rows_leave(target, references):
+@IMPLS
+def test_batched_eos_rows_leave(target, references, impl):
     """A row that emits the EOS stops there (kept, as ``generate``) and leaves the batch;
     the others go on unchanged."""
     import types
@@ -148,11 +164,101 @@ def test_batched_eos_rows_leave(target, references):
     eos = references[1][4]
     params, cfg, d2t = make_draft(target)
     out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts(),
-                   SpecConfig(num_draft_tokens=2, max_new_tokens=NEW))
+                   SpecConfig(num_draft_tokens=2, max_new_tokens=NEW), impl=impl)
     for r, ref in zip(out, references):
         want = ref[:NEW]
         assert r.tokens == (want[:want.index(eos) + 1] if eos in want else want)
     assert len(out[1].tokens) == references[1].index(eos) + 1 < NEW
+
+
+def agreeing_pair(dtype=torch.float64, device="cpu", vocab=V, hidden=32, layers=4, seed=0):
+    """A tiny Llama target and a real draft that often proposes what it will say.
+
+    Target: its head is its embedding plus noise (the greedy token tends to repeat the
+    current one, now and then moving on), its layers' outputs scaled up (the context
+    matters), its last layer a no-op, so the aux of layer ``layers - 2`` is its final
+    pre-norm hidden state. Draft (``Vd = V``): ``fc`` picks that aux, attention and MLP
+    add nothing, its norm and head are the target's: each step proposes the token the
+    target chose last, accepted as long as the target repeats it. Returns
+    ``(target, params, cfg, d2t)``."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight + 0.5 * torch.randn_like(model.lm_head.weight))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(2.0)
+            layer.mlp.down_proj.weight.mul_(2.0)
+        model.model.layers[-1].self_attn.o_proj.weight.zero_()
+        model.model.layers[-1].mlp.down_proj.weight.zero_()
+    target = load_target(model.to(device), aux_layer_ids=(0, 1, layers - 2), dtype=dtype)
+    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_heads=4, num_kv_heads=2, vocab_size=vocab,
+                      draft_vocab_size=vocab, target_hidden_size=hidden, rms_norm_eps=model.config.rms_norm_eps)
+    params = init_params(cfg, embed_tokens=target.embed_tokens, dtype=dtype, device=device, seed=seed)
+    with torch.no_grad():
+        params["fc.weight"].zero_()
+        params["fc.weight"][:, 2 * hidden:] = torch.eye(hidden)
+        params["midlayer.self_attn.o_proj.weight"].zero_()
+        params["midlayer.mlp.down_proj.weight"].zero_()
+        params["norm.weight"].copy_(target.model.model.norm.weight)
+        params["lm_head.weight"].copy_(target.lm_head.weight)
+    return target, params, cfg, torch.zeros(vocab, dtype=torch.long, device=device)
+
+
+def test_static_equals_dynamic_with_an_agreeing_draft(monkeypatch):
+    """A real draft accepting every count 0..k, rows ending at different rounds (EOS),
+    compaction every round: ``impl="static"`` gives the tokens and accepted counts of
+    ``impl="dynamic"``, and the tokens are ``model.generate``'s. Negative control: a
+    static draft that continues from the wrong row after a round (one accepted position
+    too early) changes the accepted counts, not the tokens."""
+    target, params, cfg, d2t = agreeing_pair()
+    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    new, k = 24, 3
+    refs = [greedy(target, p.tolist(), new) for p in prompts()]
+    eos = refs[1][15]  # a token only row 1 emits: it ends early
+
+    def run(impl):
+        out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts(),
+                       SpecConfig(num_draft_tokens=k, max_new_tokens=new), impl=impl)
+        return [r.tokens for r in out], [r.accepted_per_round for r in out]
+
+    tokens, counts = run("dynamic")
+    assert tokens == [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
+    assert set(Counter(n for c in counts for n in c)) == set(range(k + 1))
+    assert len({len(c) for c in counts}) > 1  # rows left at different rounds
+    assert run("static") == (tokens, counts)
+    real_put = spec._StaticDraft.put
+
+    def one_back(self, live, **inputs):  # row t one accepted position too early
+        real_put(self, live, **dict(inputs, n=(inputs["n"] - 1).clamp_min(0)))
+
+    monkeypatch.setattr(spec._StaticDraft, "put", one_back)
+    wrong_tokens, wrong_counts = run("static")
+    assert wrong_tokens == tokens and wrong_counts != counts
+
+
+def test_static_cache_grows_and_errors(target, references, monkeypatch):
+    """A static draft cache that starts at 8 slots doubles as the rows grow and gives
+    the tokens of a large one; an unknown ``impl`` is refused by name."""
+    params, cfg, d2t = make_draft(target)
+    sizes = []
+    real_reserve = spec._StaticDraft.reserve
+
+    def reserve(self, slots):
+        real_reserve(self, slots)
+        sizes.append(self.cap)
+
+    monkeypatch.setattr(spec, "_initial_capacity", lambda slots: 8)
+    monkeypatch.setattr(spec._StaticDraft, "reserve", reserve)
+    out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW),
+                   impl="static")
+    assert [r.tokens for r in out] == [ref[:NEW] for ref in references]
+    assert sorted(set(sizes)) == sizes[:1] + sorted(set(sizes))[1:] and len(set(sizes)) >= 2
+    assert all(c & (c - 1) == 0 for c in sizes)
+    with pytest.raises(ValueError, match="impl='fast' is not one of"):
+        generate(target, None, params, cfg, d2t, prompts(), SpecConfig(), impl="fast")
 
 
 def test_evaluate_reports_speed(target):

@@ -40,6 +40,7 @@ to ``speculative_generate`` (greedy and sampled, token for token).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -560,6 +561,138 @@ def _cached_attend(q_Bh1d: torch.Tensor, k_BgSd: torch.Tensor, v_BgSd: torch.Ten
     return out.reshape(B, 1, h * d)
 
 
+class _Graphed:
+    """``fn()`` (no arguments: it reads and writes fixed tensors) called eagerly, or, with
+    ``graph``, recorded once as a CUDA graph and replayed: the kernels of a whole draft
+    chain launched by one call instead of hundreds of Python-level launches. The first
+    ``prepare`` runs ``fn`` once on a side stream (so lazily built state such as cuBLAS
+    handles and the RoPE frequencies exists before recording) and records it; ``fn``
+    must be idempotent on its inputs, as running it twice is what this does."""
+
+    def __init__(self, fn: Callable[[], None], graph: bool) -> None:
+        self.fn, self.graph, self.recorded = fn, graph, None
+
+    def prepare(self) -> None:
+        """Record the graph if it is due (no-op when eager or recorded)."""
+        if not self.graph or self.recorded is not None:
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.recorded = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.recorded):
+            self.fn()
+
+    def __call__(self) -> None:
+        if not self.graph:
+            self.fn()
+            return
+        self.prepare()
+        self.recorded.replay()
+
+
+class _StaticDraft:
+    """The draft side of ``generate``'s static path: every tensor a round reads or writes
+    preallocated for the batch's ``B`` rows (finished rows keep their row, computed but
+    never read; rows are independent), the step-0 cache in ``cap`` slots of which each row
+    attends those marked in ``valid``, so every round runs the same shapes. Two functions,
+    each one CUDA graph when ``graph`` (``_Graphed``): ``update`` turns one verifying
+    forward's ``k + 1`` positions into context rows (``_Draft.context``, written at cache
+    slots ``slots``) and picks each row's last context row t; ``chain`` runs the k draft
+    steps from row t (``_Draft.chain``). The cache grows by doubling (``reserve``), which
+    records the graphs again.
+
+    Buffers (inputs ``aux``, ``nxt``, ``pos``, ``n``, ``kept``, ``slots``; state ``keys``,
+    ``values`` ``[B, g, cap, d]``, ``valid [B, cap]``, ``g_t [B, H]``, ``u_t [B, 2H]``,
+    ``pos_t [B]``; output ``tokens [B, k]``, ``probs [B, k, V]`` or None).
+    """
+
+    def __init__(self, draft: _Draft, B: int, k: int, aux_width: int, choose, graph: bool, cap: int) -> None:
+        cfg, dev, dt = draft.cfg, draft.device, draft.dtype
+        self.draft, self.k, self.choose, self.graph, self.cap = draft, k, choose, graph, cap
+        self.keys = torch.zeros(B, cfg.num_kv_heads, cap, cfg.d, dtype=dt, device=dev)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(B, cap, dtype=torch.bool, device=dev)
+        self.aux = torch.zeros(B, k + 1, aux_width, dtype=dt, device=dev)
+        self.nxt = torch.zeros(B, k + 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, k + 1, dtype=torch.long, device=dev)
+        self.n = torch.zeros(B, dtype=torch.long, device=dev)
+        self.kept = torch.zeros(B, k + 1, dtype=torch.bool, device=dev)
+        self.slots = torch.arange(k + 1, device=dev)
+        self.g_t = torch.zeros(B, cfg.hidden_size, dtype=dt, device=dev)
+        self.u_t = torch.zeros(B, 2 * cfg.hidden_size, dtype=dt, device=dev)
+        self.pos_t = torch.zeros(B, dtype=torch.long, device=dev)
+        self.rows = torch.arange(B, device=dev)
+        self.tokens = torch.zeros(B, k, dtype=torch.long, device=dev)
+        self.probs: torch.Tensor | None = None
+        self._record()
+
+    def _record(self) -> None:
+        self.update = _Graphed(self._update, self.graph)
+        self.chain = _Graphed(self._chain, self.graph)
+
+    def _update(self) -> None:
+        g, u, keys, values = self.draft.context(self.aux, self.nxt, self.pos, self.kept)
+        self.keys.index_copy_(2, self.slots, keys)
+        self.values.index_copy_(2, self.slots, values)
+        self.valid.index_copy_(1, self.slots, self.kept)
+        self.g_t.copy_(g[self.rows, self.n])
+        self.u_t.copy_(u[self.rows, self.n])
+        self.pos_t.copy_(self.pos[self.rows, self.n])
+
+    def _chain(self) -> None:
+        tokens, self.probs = self.draft.chain(self.g_t, self.u_t, self.pos_t, self.keys, self.values,
+                                              self.valid, self.k, self.choose)
+        self.tokens.copy_(tokens)
+
+    def prefill(self, g_BLH: torch.Tensor, u_BL2H: torch.Tensor, pos_BL: torch.Tensor,
+                keys_BgLd: torch.Tensor, values_BgLd: torch.Tensor, valid_BL: torch.Tensor) -> None:
+        """The prompts' context rows into slots ``0..L-1``; row t = each row's last."""
+        L = valid_BL.shape[1]
+        self.reserve(L)
+        self.keys[:, :, :L], self.values[:, :, :L], self.valid[:, :L] = keys_BgLd, values_BgLd, valid_BL
+        self.g_t.copy_(g_BLH[:, -1])
+        self.u_t.copy_(u_BL2H[:, -1])
+        self.pos_t.copy_(pos_BL[:, -1])
+        self.slots.copy_(torch.arange(L, L + self.k + 1, device=self.slots.device))
+
+    def reserve(self, slots: int) -> None:
+        """At least ``slots`` cache slots: the capacity doubles until it holds them (the
+        cache copied over, the graphs recorded again)."""
+        if slots <= self.cap:
+            return
+        cap = self.cap
+        while cap < slots:
+            cap *= 2
+        grow = lambda x: torch.cat((x, x.new_zeros(*x.shape[:-2], cap - self.cap, x.shape[-1])), -2)  # noqa: E731
+        self.keys, self.values = grow(self.keys), grow(self.values)
+        self.valid = torch.cat((self.valid, self.valid.new_zeros(self.valid.shape[0], cap - self.cap)), 1)
+        self.cap = cap
+        self._record()
+
+    def put(self, live: torch.Tensor | None, **inputs: torch.Tensor) -> None:
+        """Copy a round's inputs (``aux``, ``nxt``, ``pos``, ``n``, ``kept``: live rows
+        only) into their buffers at the live rows (all rows when ``live`` is None)."""
+        for name, x in inputs.items():
+            buffer = getattr(self, name)
+            if live is None:
+                buffer.copy_(x)
+            else:
+                buffer.index_copy_(0, live, x.to(device=buffer.device, dtype=buffer.dtype))
+
+    def compact(self, live: torch.Tensor, order_BS: torch.Tensor, S: int, S_new: int) -> None:
+        """Live rows' slots ``0..S-1`` reordered by ``order [B_live, S_new]`` (each row's
+        valid slots first, ``_compact``), the slots past ``S_new`` invalid."""
+        keys, values = self.keys[live, :, :S], self.values[live, :, :S]
+        self.keys[live, :, :S_new] = _gather_slots(keys, order_BS.to(keys.device))
+        self.values[live, :, :S_new] = _gather_slots(values, order_BS.to(keys.device))
+        valid = self.valid[live, :S].gather(1, order_BS.to(keys.device))
+        self.valid[live, :S] = torch.cat((valid, valid.new_zeros(valid.shape[0], S - S_new)), 1)
+        self.slots.copy_(torch.arange(S_new, S_new + self.k + 1, device=self.slots.device))
+
+
 def _left_pad(prompts: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, ...]:
     """Prompts ``[L_i]`` left-padded: ids ``[B, L]`` (pad 0), valid ``[B, L]`` bool and
     positions ``[B, L]`` (0 at each row's first token; pads at 0)."""
@@ -613,22 +746,35 @@ def _crop(cache, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, 
     return keys, values, valid
 
 
+def _compaction_order(valid_BS: torch.Tensor) -> torch.Tensor:
+    """``[B, S']``: each row's valid slots first, in order (a stable sort of ``~valid``),
+    cut to ``S'`` = the most valid slots of a row."""
+    order = torch.sort((~valid_BS).to(torch.int8), dim=1, stable=True).indices
+    return order[:, :int(valid_BS.sum(1).max())]
+
+
+def _gather_slots(x_BgSd: torch.Tensor, order_BS: torch.Tensor) -> torch.Tensor:
+    """``x [B, g, S_old, d]`` at slots ``order [B, S]`` per row: ``[B, g, S, d]``."""
+    index = order_BS[:, None, :, None].expand(-1, x_BgSd.shape[1], -1, x_BgSd.shape[3])
+    return x_BgSd.gather(2, index)
+
+
+def _compact_target(cache, order_BS: torch.Tensor) -> None:
+    """The target's cache (every layer) at slots ``order [B, S]`` (``_compaction_order``)."""
+    for layer in cache.layers:
+        layer.keys = _gather_slots(layer.keys, order_BS.to(layer.keys.device))
+        layer.values = _gather_slots(layer.values, order_BS.to(layer.values.device))
+
+
 def _compact(cache, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
     """Both caches with each row's valid slots first, in order, cut to the most valid
     slots of a row: rejected slots inside the cache (other rows accepted more) stop
     costing attention. Attention only reads valid slots and the explicit positions, so
     the order of the slots changes nothing but the summation order."""
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
-    S = int(valid.sum(1).max())
-    order = order[:, :S]
-
-    def take(x):  # [B, g, S_old, d] -> [B, g, S, d]
-        index = order.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-        return x.gather(2, index)
-
-    for layer in cache.layers:
-        layer.keys, layer.values = take(layer.keys), take(layer.values)
-    return take(keys), take(values), valid.gather(1, order)
+    order = _compaction_order(valid)
+    _compact_target(cache, order)
+    order = order.to(keys.device)
+    return _gather_slots(keys, order), _gather_slots(values, order), valid.gather(1, order)
 
 
 def _kept(n_B: torch.Tensor, steps_K: torch.Tensor) -> torch.Tensor:
@@ -691,10 +837,61 @@ def _prompt_list(prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p.reshape(-1) for p in prompts]
 
 
+@dataclass
+class StageTimes:
+    """Where ``generate``'s time goes, filled when passed to it (``stages=``): every stage
+    bracketed by device syncs (which slow the run a little), seconds summed over the
+    batch's rounds. What no field names (``total_s`` minus the others) is bookkeeping:
+    acceptance, rollback, compaction, finished rows leaving, the host's reading of the
+    accepted counts, Python."""
+
+    total_s: float = 0.0
+    """Wall time of ``generate``."""
+    prefill_s: float = 0.0
+    """The target's prefill forward."""
+    verify_s: float = 0.0
+    """The target's verifying forwards (``k + 1`` tokens per row each)."""
+    draft_context_s: float = 0.0
+    """The draft's context rows: ``fc`` of the target's aux, step-0 keys and values, into
+    the draft's cache (the prompts' included)."""
+    draft_chain_s: float = 0.0
+    """The draft's k-step chains."""
+    record_s: float = 0.0
+    """Recording the CUDA graphs (the static path on CUDA; each includes one eager run)."""
+    rounds: int = 0
+    """Verification rounds of the batch (each judges every live row)."""
+
+
+class _Stage:
+    """``with stage("verify_s"):`` adds the block's synchronised wall time to that field
+    of ``StageTimes`` (nothing, not even a sync, when there is none)."""
+
+    def __init__(self, times: StageTimes | None, device: torch.device) -> None:
+        self.times, self.cuda = times, device.type == "cuda"
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.times is None:
+            yield
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        setattr(self.times, name, getattr(self.times, name) + time.perf_counter() - t0)
+
+
+IMPLS = ("static", "dynamic")
+"""``generate``'s implementations (its ``impl`` argument)."""
+
+
 @torch.no_grad()
 def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor],
              draft_cfg: DraftConfig, d2t: torch.Tensor, prompts: Sequence[torch.Tensor],
-             cfg: SpecConfig) -> list[SpecResult]:
+             cfg: SpecConfig, *, impl: str | None = None,
+             stages: StageTimes | None = None) -> list[SpecResult]:
     """Speculative decoding of several prompts at once, the target and the draft on KV
     caches (see the section comment): one ``SpecResult`` per prompt, each equal to
     ``speculative_generate`` of that prompt alone.
@@ -703,7 +900,8 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
     for token; sampling follows the standard rule with prompt i drawing from its own
     generator seeded ``cfg.seed + i`` (so it equals ``speculative_generate`` with that
     seed). Rows accept independently; a row that ends (EOS or ``max_new_tokens``) leaves
-    the batch. One host sync per round (the accepted counts; sampling reads on the host).
+    the target's batch. One host sync per round (the accepted counts; sampling reads on
+    the host).
 
     Args:
         target: from ``io.target.load_target`` (a text model whose forward takes
@@ -713,11 +911,57 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
             and its vocab map; any dtype, on any device.
         prompts: int64 ``[L_i]`` or ``[1, L_i]`` each, of any lengths.
         cfg: ``SpecConfig``.
+        impl: ``"static"``: the draft on preallocated buffers of fixed shapes (its cache
+            in doubling capacity, finished rows kept in place), so that on CUDA with
+            greedy decoding each round's draft work is two CUDA-graph replays;
+            ``"dynamic"``: the draft's cache grown by concatenation each round, finished
+            rows removed, every kernel launched from Python. Both give the same tokens
+            and accepted counts. None: ``"static"`` when the draft is on CUDA, else
+            ``"dynamic"``.
+        stages: a ``StageTimes`` to fill (adds device syncs around every stage).
     """
-    from transformers import DynamicCache
-
     prompts = _prompt_list(prompts)
     _check_inputs(target, draft_cfg, d2t)
+    if impl is None:
+        impl = "static" if draft_params["fc.weight"].device.type == "cuda" else "dynamic"
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    stage = _Stage(stages, target.lm_head.weight.device)
+    t0 = time.perf_counter()
+    run = _generate_static if impl == "static" else _generate_dynamic
+    results = run(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage)
+    if stages is not None:
+        if stage.cuda:
+            torch.cuda.synchronize()
+        stages.total_s += time.perf_counter() - t0
+    return results
+
+
+def _results(new: list[list[int]], accepted: list[list[int]], k: int) -> list[SpecResult]:
+    out = []
+    for tokens, counts in zip(new, accepted):
+        length, per_position = acceptance_stats(counts, k)
+        out.append(SpecResult(tokens=tokens, accepted_per_round=counts, acceptance_length=length,
+                              per_position_acceptance=per_position, target_forwards=len(counts) + 1))
+    return out
+
+
+def _emit(new: list[list[int]], accepted: list[list[int]], rows: list[int], host: list[list[int]],
+          eos: set[int], max_new: int) -> None:
+    """Append each row's round (``host`` rows: accepted n, the target's token, the k
+    proposals) to its tokens, stopping at EOS or ``max_new`` tokens."""
+    for r, (count, t, *drafted) in zip(rows, host):
+        accepted[r].append(count)
+        for x in drafted[:count] + [t]:
+            new[r].append(x)
+            if x in eos or len(new[r]) == max_new:
+                break
+
+
+def _generate_dynamic(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage):
+    """``generate`` with ``impl="dynamic"``."""
+    from transformers import DynamicCache
+
     k, temperature = cfg.num_draft_tokens, cfg.temperature
     device = target.lm_head.weight.device
     eos = _eos_ids(target, tokenizer_or_none)
@@ -731,10 +975,12 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
 
     ids, valid, pos = _left_pad(prompts, device)
     cache = DynamicCache(config=target.model.config)
-    aux, logits = _target_forward(target, ids, valid, pos, cache, 1)
+    with stage("prefill_s"):
+        aux, logits = _target_forward(target, ids, valid, pos, cache, 1)
     token = pick(logits[:, -1], rows)
-    g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
-                                       pos.to(draft.device), valid.to(draft.device))
+    with stage("draft_context_s"):
+        g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
+                                           pos.to(draft.device), valid.to(draft.device))
     g_t, u_t, pos_t = g[:, -1], u[:, -1], pos[:, -1]  # each row's last context row t
     dvalid = valid.to(draft.device)
     for b, t in enumerate(token.tolist()):
@@ -744,6 +990,8 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
         live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
         if not live:
             break
+        if stage.times is not None:
+            stage.times.rounds += 1
         if len(live) < len(rows):  # finished rows leave both caches
             index = torch.tensor(live, device=device)
             dindex = index.to(draft.device)
@@ -753,18 +1001,21 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
             keys, values, dvalid = keys[dindex], values[dindex], dvalid[dindex]
             g_t, u_t = g_t[dindex], u_t[dindex]
         choose = _draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
-        proposal, probs = draft.chain(g_t, u_t, pos_t.to(draft.device), keys, values, dvalid, k, choose)
+        with stage("draft_chain_s"):
+            proposal, probs = draft.chain(g_t, u_t, pos_t.to(draft.device), keys, values, dvalid, k, choose)
         proposal = proposal.to(device)
         positions = pos_t[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
         fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=device)
-        aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
-                                      torch.cat((valid, fresh), 1), positions, cache, k + 1)
+        with stage("verify_s"):
+            aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
+                                          torch.cat((valid, fresh), 1), positions, cache, k + 1)
         n, token = _verify(logits, proposal, probs, temperature, generators, rows)
         kept = _kept(n, steps)
         nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
-        g, u, new_keys, new_values = draft.context(aux, nxt.to(draft.device), positions.to(draft.device),
-                                                   kept.to(draft.device))
-        keys, values = torch.cat((keys, new_keys), 2), torch.cat((values, new_values), 2)
+        with stage("draft_context_s"):
+            g, u, new_keys, new_values = draft.context(aux, nxt.to(draft.device), positions.to(draft.device),
+                                                       kept.to(draft.device))
+            keys, values = torch.cat((keys, new_keys), 2), torch.cat((values, new_values), 2)
         valid, dvalid = torch.cat((valid, kept), 1), torch.cat((dvalid, kept.to(draft.device)), 1)
         at = n.to(draft.device).long()
         g_t, u_t = g[torch.arange(len(rows)), at], u[torch.arange(len(rows)), at]
@@ -777,18 +1028,104 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
         if valid.shape[1] > 2 * max(slots[r] for r in rows) + COMPACT_SLACK:  # mostly rolled back
             keys, values, dvalid = _compact(cache, keys, values, dvalid)
             valid = dvalid.to(device)
-        for r, (count, t, *drafted) in zip(rows, host):
-            accepted[r].append(count)
-            for x in drafted[:count] + [t]:
-                new[r].append(x)
-                if x in eos or len(new[r]) == cfg.max_new_tokens:
-                    break
-    results = []
-    for r in range(len(prompts)):
-        length, per_position = acceptance_stats(accepted[r], k)
-        results.append(SpecResult(tokens=new[r], accepted_per_round=accepted[r], acceptance_length=length,
-                                  per_position_acceptance=per_position, target_forwards=len(accepted[r]) + 1))
-    return results
+        _emit(new, accepted, rows, host, eos, cfg.max_new_tokens)
+    return _results(new, accepted, k)
+
+
+def _initial_capacity(slots: int) -> int:
+    """The static draft cache's first capacity: the next power of two >= ``slots``, at
+    least 64 (doubling from there keeps the recordings to a few per batch)."""
+    return max(64, 1 << (slots - 1).bit_length())
+
+
+def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage):
+    """``generate`` with ``impl="static"`` (``_StaticDraft``): the same rounds as
+    ``_generate_dynamic``; the target's side (cache, ``valid``, rows leaving, crop,
+    compaction) is the same code."""
+    from transformers import DynamicCache
+
+    k, temperature = cfg.num_draft_tokens, cfg.temperature
+    device = target.lm_head.weight.device
+    eos = _eos_ids(target, tokenizer_or_none)
+    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
+    pick = _picker(temperature, generators)
+    draft = _Draft(draft_params, draft_cfg)
+    B = len(prompts)
+    rows = list(range(B))
+    new: list[list[int]] = [[] for _ in rows]
+    accepted: list[list[int]] = [[] for _ in rows]
+    slots = [p.numel() for p in prompts]  # valid slots of each row
+    # One chooser for the whole batch (the recorded chain keeps the tensors it reads).
+    choose = _draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
+    graph = draft.device.type == "cuda" and temperature == 0
+
+    ids, valid, pos = _left_pad(prompts, device)
+    cache = DynamicCache(config=target.model.config)
+    with stage("prefill_s"):
+        aux, logits = _target_forward(target, ids, valid, pos, cache, 1)
+    token = pick(logits[:, -1], rows)
+    S = ids.shape[1]  # cache slots in use (both caches)
+    state = _StaticDraft(draft, B, k, aux.shape[-1], choose, graph, _initial_capacity(S + k + 1))
+    with stage("draft_context_s"):
+        dpos, dvalid = pos.to(draft.device), valid.to(draft.device)
+        g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
+                                           dpos, dvalid)
+        state.prefill(g, u, dpos, keys, values, dvalid)
+    pos_t = pos[:, -1]
+    for b, t in enumerate(token.tolist()):
+        new[b].append(t)
+    steps = torch.arange(k + 1, device=device)
+    live_rows = None  # the live rows' indices into the buffers; None: all
+    while True:
+        live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+        if not live:
+            break
+        if stage.times is not None:
+            stage.times.rounds += 1
+        if len(live) < len(rows):  # finished rows leave the target's cache, keep their draft rows
+            index = torch.tensor(live, device=device)
+            cache.batch_select_indices(index)
+            rows = [rows[i] for i in live]
+            valid, pos_t, token = valid[index], pos_t[index], token[index]
+            live_rows = torch.tensor(rows, device=draft.device)
+        state.reserve(S + k + 1)
+        with stage("record_s"):
+            state.chain.prepare()
+        with stage("draft_chain_s"):
+            state.chain()
+        proposal = (state.tokens.clone() if live_rows is None else state.tokens[live_rows]).to(device)
+        probs = None if state.probs is None else state.probs if live_rows is None else state.probs[live_rows.cpu()]
+        positions = pos_t[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
+        fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=device)
+        with stage("verify_s"):
+            aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
+                                          torch.cat((valid, fresh), 1), positions, cache, k + 1)
+        n, token = _verify(logits, proposal, probs, temperature, generators, rows)
+        kept = _kept(n, steps)
+        nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
+        state.put(live_rows, aux=aux, nxt=nxt, pos=positions, n=n, kept=kept)
+        with stage("record_s"):
+            state.update.prepare()
+        with stage("draft_context_s"):
+            state.update()
+        valid = torch.cat((valid, kept), 1)
+        pos_t = positions.gather(1, n[:, None].long())[:, 0]
+        host = torch.cat((n[:, None], token[:, None], proposal), 1).tolist()  # the round's sync
+        drop = k - max(h[0] for h in host)
+        S += k + 1 - drop
+        state.slots.add_(k + 1 - drop)
+        if drop:  # no row kept these: off both caches (the draft's slots are invalid already)
+            cache.crop(-drop)
+            valid = valid[:, :S]
+        for r, (count, *_) in zip(rows, host):
+            slots[r] += count + 1
+        if S > 2 * max(slots[r] for r in rows) + COMPACT_SLACK:  # mostly rolled back
+            order = _compaction_order(valid)
+            _compact_target(cache, order)
+            state.compact(live_rows if live_rows is not None else state.rows, order, S, order.shape[1])
+            valid, S = valid.gather(1, order), order.shape[1]
+        _emit(new, accepted, rows, host, eos, cfg.max_new_tokens)
+    return _results(new, accepted, k)
 
 
 @torch.no_grad()
@@ -870,7 +1207,8 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
 
 def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_cfg: DraftConfig,
              d2t: torch.Tensor, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *,
-             tokenizer=None, batch_size: int = 8, baseline: bool = True) -> dict:
+             tokenizer=None, batch_size: int = 8, baseline: bool = True,
+             impl: str | None = None) -> dict:
     """Speculative decoding of every prompt (``generate``, ``batch_size`` prompts at a
     time), timed beside the target alone on the same batches (``target_generate``), and
     the training-time tau on the speculative output.
@@ -880,6 +1218,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         tokenizer: EOS ids only (``generate``).
         batch_size: prompts decoded together (>= 1).
         baseline: also time the target alone (the speedup's denominator).
+        impl: ``generate``'s implementation (None: its default for the device).
 
     Returns:
         ``acceptance_length`` (mean of ``accepted + 1`` over the rounds of all
@@ -912,7 +1251,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         return out, time.perf_counter() - t0
 
     results, seconds = timed(lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t,
-                                                    batch, cfg))
+                                                    batch, cfg, impl=impl))
     rounds = [n for r in results for n in r.accepted_per_round]
     length, per_position = acceptance_stats(rounds, cfg.num_draft_tokens)
     tokens = sum(len(r.tokens) for r in results)
