@@ -11,9 +11,9 @@ beside the target alone, in one process.
 
 What one run does:
 
-1. Target: ``train_target.build_target`` (random weights, the shape's config, bf16 on
-   CUDA, fp32 on the CPU), saved under ``--work-dir`` and reused, loaded with
-   ``load_target``; its ``generation_config.eos_token_id`` is cleared so every prompt
+1. Target: ``train_target.build_target`` (random weights, the shape's config), saved
+   under ``--work-dir`` and reused, loaded with ``load_target`` in ``--dtype`` (default
+   bf16 on CUDA, fp32 on the CPU; fp32 matrix products without TF32, torch's default); its ``generation_config.eos_token_id`` is cleared so every prompt
    generates exactly ``--max-new-tokens`` (random weights emit the EOS id at random).
 2. Draft: ``init_params`` of the draft ``eagle3fn train`` would build for this target
    (``train.build.draft_config_for``), with the target's embedding and head rows and a
@@ -27,9 +27,13 @@ What one run does:
    ``cold_seconds`` / ``cold_target_seconds``), then, each timed after a device sync:
    ``evaluate`` (speculative decoding of every prompt in batches of ``--batch-size``,
    then the target alone on the same batches, ``target_generate``), and the same two
-   again with every target forward bracketed by device syncs and timed
-   (``_target_forward`` wrapped), which splits the time into target forwards and the
-   rest.
+   again instrumented: ``generate`` with a ``speculative.StageTimes`` (every stage
+   bracketed by device syncs), the target alone with every forward timed
+   (``ForwardTimer``).
+
+``--impl`` picks ``generate``'s implementation (default: ``static`` on CUDA, where each
+round's draft work is two CUDA-graph replays, recorded anew for every batch and every
+doubling of the draft's cache; ``dynamic`` elsewhere).
 
 Reported (JSON ``result``):
 
@@ -43,9 +47,17 @@ Reported (JSON ``result``):
   (mean single-token forward of the target alone), ``prefill_ms`` (the speculative
   prefills, summed);
 - ``overhead_ms_per_round``: (wall time of the instrumented speculative run - its
-  target forwards) / rounds: the draft chain, the draft's cache update, acceptance,
-  rollback and bookkeeping of one round; ``overhead_frac`` = that / ``verify_ms`` (the
-  issue's goal: <= 15%). The instrumented run's extra syncs make this an upper bound.
+  target forwards - the graph recordings) / rounds: the draft chain, the draft's cache
+  update, acceptance, rollback and bookkeeping of one round; ``overhead_frac`` = that /
+  ``verify_ms`` (the issue's goal: <= 15%). The instrumented run's extra syncs make this
+  an upper bound. Its parts, per round: ``draft_chain_ms`` (the k draft steps),
+  ``draft_context_ms`` (the verified positions into the draft's cache, the prompts' too)
+  and ``bookkeeping_ms`` (the rest: acceptance, rollback, compaction, the host's read of
+  the accepted counts, Python);
+- ``record_s``: seconds spent recording CUDA graphs in the instrumented run (each
+  recording includes one eager run of what it records; 0 when none); ``cold_record_s``:
+  the same in the warm-up pass (the process's first recordings). Both are inside the
+  wall-clock ``seconds`` a user waits (the plain run records as the instrumented one);
 - ``predicted_speedup_at``: ``tau * decode_ms / (verify_ms + overhead_ms_per_round)``
   for acceptance lengths tau = 2, 3, 4 (what a trained draft would buy at these costs).
 
@@ -89,12 +101,25 @@ class EvalBenchArgs:
     """Vd (default: the shape's)."""
     seed: int = 0
     """Target weights, draft, vocab map and prompts."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Target and draft dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    impl: Literal["static", "dynamic"] | None = None
+    """``speculative.generate``'s implementation (default: its own for the device)."""
     device: str = "cuda"
     """``cuda``, ``cuda:N`` or ``cpu``."""
     work_dir: str | None = None
     """Where the target is saved and reused (default: /tmp/eagle3fn-bench-<shape>)."""
     out: str | None = None
     """Write the results here as JSON."""
+
+
+def resolve_dtype(args: EvalBenchArgs):
+    """The run's torch dtype: ``--dtype``, or bf16 on CUDA and fp32 on the CPU."""
+    import torch
+
+    if args.dtype != "auto":
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
 
 
 def build(args: EvalBenchArgs):
@@ -112,7 +137,7 @@ def build(args: EvalBenchArgs):
     work = Path(args.work_dir or f"/tmp/eagle3fn-bench-{args.shape}")
     t0 = time.perf_counter()
     build_target(shape, work / "target", args.device, args.seed)
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    dtype = resolve_dtype(args)
     target = load_target(str(work / "target"), dtype=dtype, device=args.device)
     target.model.generation_config.eos_token_id = None
     vd = args.draft_vocab_size or shape.draft_vocab
@@ -166,7 +191,9 @@ def main(args: EvalBenchArgs) -> dict:
 
     resolved = {k: v for k, v in asdict(args).items() if not (k == "out" and v is None)}
     resolved.update(work_dir=args.work_dir or f"/tmp/eagle3fn-bench-{args.shape}",
-                    draft_vocab_size=args.draft_vocab_size or SHAPES[args.shape].draft_vocab)
+                    draft_vocab_size=args.draft_vocab_size or SHAPES[args.shape].draft_vocab,
+                    dtype=str(resolve_dtype(args)).removeprefix("torch."),
+                    impl=args.impl or ("static" if torch.device(args.device).type == "cuda" else "dynamic"))
     run_metadata(resolved)  # off git without EAGLE3FN_COMMIT: fails before any device time
     torch.manual_seed(args.seed)
     target, params, draft_cfg, d2t, prompts, build_s = build(args)
@@ -174,9 +201,11 @@ def main(args: EvalBenchArgs) -> dict:
     cfg = spec.SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens)
     print(f"{args.shape}: target built/loaded in {build_s:.1f} s; draft H={draft_cfg.hidden_size} "
           f"Vd={draft_cfg.draft_vocab_size}; {args.prompts} prompts x {args.prompt_length} tokens, "
-          f"{args.max_new_tokens} new, batches of {args.batch_size}, k={args.num_draft_tokens}", flush=True)
-    cold = {}
-    for name, fn in (("cold_seconds", lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg)),
+          f"{args.max_new_tokens} new, batches of {args.batch_size}, k={args.num_draft_tokens}, {resolved['dtype']}, "
+          f"impl {resolved['impl']}", flush=True)
+    cold, cold_stages = {}, spec.StageTimes()
+    for name, fn in (("cold_seconds", lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg,
+                                                              impl=args.impl, stages=cold_stages)),
                      ("cold_target_seconds", lambda b: spec.target_generate(target, None, b, cfg))):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -185,7 +214,8 @@ def main(args: EvalBenchArgs) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         cold[name] = time.perf_counter() - t
-    result = spec.evaluate(target, params, draft_cfg, d2t, prompts, cfg, batch_size=args.batch_size)
+    result = spec.evaluate(target, params, draft_cfg, d2t, prompts, cfg, batch_size=args.batch_size,
+                           impl=args.impl)
     print(f"plain: {result['seconds']:.1f} s speculative ({result['tokens_per_s']:.0f} tok/s), "
           f"{result['target_seconds']:.1f} s target alone ({result['target_tokens_per_s']:.0f} tok/s), "
           f"acceptance length {result['acceptance_length']:.2f}", flush=True)
@@ -202,16 +232,21 @@ def main(args: EvalBenchArgs) -> dict:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - t, timer.calls
 
-    spec_s, spec_calls = instrumented(lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg))
+    stages = spec.StageTimes()
+    spec_s, _ = instrumented(lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg,
+                                                     impl=args.impl, stages=stages))
     _, alone_calls = instrumented(lambda b: spec.target_generate(target, None, b, cfg))
-    verify = [ms for n, ms in spec_calls if n == args.num_draft_tokens + 1]
-    prefill = [ms for n, ms in spec_calls if n != args.num_draft_tokens + 1]
     decode = [ms for n, ms in alone_calls if n == 1]
-    rounds = len(verify)
-    verify_ms, decode_ms = sum(verify) / rounds, sum(decode) / len(decode)
-    overhead = (1e3 * spec_s - sum(verify) - sum(prefill)) / rounds
-    result.update(**cold, verify_ms=verify_ms, decode_ms=decode_ms, prefill_ms=sum(prefill), instrumented_seconds=spec_s,
+    rounds = stages.rounds
+    per_round = lambda s: 1e3 * s / rounds  # noqa: E731
+    verify_ms, decode_ms = per_round(stages.verify_s), sum(decode) / len(decode)
+    chain_ms, context_ms = per_round(stages.draft_chain_s), per_round(stages.draft_context_s)
+    overhead = per_round(stages.total_s - stages.prefill_s - stages.verify_s - stages.record_s)
+    result.update(**cold, cold_record_s=cold_stages.record_s, verify_ms=verify_ms, decode_ms=decode_ms,
+                  prefill_ms=1e3 * stages.prefill_s, instrumented_seconds=spec_s,
                   overhead_ms_per_round=overhead, overhead_frac=overhead / verify_ms,
+                  draft_chain_ms=chain_ms, draft_context_ms=context_ms,
+                  bookkeeping_ms=overhead - chain_ms - context_ms, record_s=stages.record_s,
                   predicted_speedup_at={tau: tau * decode_ms / (verify_ms + overhead) for tau in (2, 3, 4)},
                   peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
     report = dict(run_metadata(resolved), build_s=build_s, result=result)
@@ -230,6 +265,9 @@ def table(args: EvalBenchArgs, r: dict) -> None:
     print(f"{'speculative':>22} {r['seconds']:>8.1f} {r['tokens_per_s']:>9.0f} {r['verify_ms']:>11.2f}")
     print(f"{'target alone':>22} {r['target_seconds']:>8.1f} {r['target_tokens_per_s']:>9.0f} "
           f"{r['decode_ms']:>11.2f}")
+    print(f"per round: verify {r['verify_ms']:.2f} ms, draft chain {r['draft_chain_ms']:.2f} ms, draft context "
+          f"{r['draft_context_ms']:.2f} ms, bookkeeping {r['bookkeeping_ms']:.2f} ms; CUDA graphs recorded in "
+          f"{r['record_s']:.2f} s (warm-up pass {r['cold_record_s']:.2f} s)")
     print(f"speedup {r['speedup']:.2f}x; overhead per round {r['overhead_ms_per_round']:.2f} ms = "
           f"{r['overhead_frac']:.1%} of a verifying forward; {r['same_as_target']}/{r['n_prompts']} outputs "
           "identical to the target alone; predicted speedup at acceptance length "

@@ -199,7 +199,7 @@ def agreeing_pair(dtype=torch.float64, device="cpu", vocab=V, hidden=32, layers=
     params = init_params(cfg, embed_tokens=target.embed_tokens, dtype=dtype, device=device, seed=seed)
     with torch.no_grad():
         params["fc.weight"].zero_()
-        params["fc.weight"][:, 2 * hidden:] = torch.eye(hidden)
+        params["fc.weight"][:, 2 * hidden:] = torch.eye(hidden, dtype=dtype, device=device)
         params["midlayer.self_attn.o_proj.weight"].zero_()
         params["midlayer.mlp.down_proj.weight"].zero_()
         params["norm.weight"].copy_(target.model.model.norm.weight)

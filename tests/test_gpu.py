@@ -299,3 +299,52 @@ def test_packed_flex_equals_unpacked(packed_batches, trim, monkeypatch):
         monkeypatch.setattr(module, "document_starts", torch.zeros_like)
     W = _run_docs(packed, params, d2t, t2d, dtype=torch.float32, trim=trim, attention="flex")
     assert max(err(W[1][n], G[1][n]) for n in G[1]) > 1e-3
+
+
+# --------------------------------------- speculative decoding: KV caches and CUDA graphs
+
+
+def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
+    """``speculative.generate`` on CUDA (its default there: the static path, each round's
+    draft work replayed from CUDA graphs) equals the target's own greedy generation
+    (``model.generate``) of every prompt token for token, fp32 with TF32 off, four
+    prompts of lengths 1 to 11 in one batch (left padding), with a real draft built to
+    agree often (``test_eval_kv.agreeing_pair``: every acceptance count 0..k), one row
+    ending early at an EOS, compaction every round; the eager ``impl="dynamic"`` gives
+    the same accepted counts. Negative control: a wrong rollback (the rejected slots of
+    every round left visible in the target's cache) is caught by the same comparison."""
+    import types
+
+    import eagle3fn.speculative as spec
+    from eagle3fn.speculative import SpecConfig, StageTimes, generate
+    from test_eval_kv import PROMPTS, agreeing_pair
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    target, params, cfg, d2t = agreeing_pair(dtype=torch.float32, device="cuda")
+    prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
+    new, k = 24, 3
+    refs = []
+    for p in prompts:
+        out = target.model.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
+                                    max_new_tokens=new)
+        refs.append(out[0, p.numel():].tolist())
+    eos = next(t for t in refs[1][8:] if all(t not in r for r in refs[:1] + refs[2:]))
+    want = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
+    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+
+    def run(impl=None, stages=None):
+        out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts,
+                       SpecConfig(num_draft_tokens=k, max_new_tokens=new), impl=impl, stages=stages)
+        return [r.tokens for r in out], [r.accepted_per_round for r in out]
+
+    stages = StageTimes()
+    tokens, counts = run(stages=stages)
+    assert stages.record_s > 0  # the CUDA graphs were recorded, hence replayed
+    assert tokens == want
+    assert {n for c in counts for n in c} == set(range(k + 1)), counts
+    assert len({len(c) for c in counts}) > 1  # rows left at different rounds
+    assert run("dynamic") == (tokens, counts)
+    monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool,
+                                                                   device=n.device))
+    assert run()[0] != want
