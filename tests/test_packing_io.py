@@ -10,7 +10,8 @@ from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
 import eagle3fn.unrolled.attention as attention_module
 from eagle3fn.io.data import Example
-from eagle3fn.io.packing import collate_packed, first_fit, pack_examples, pack_features
+from eagle3fn.io.packing import (PACK_WINDOW, best_fit_decreasing, collate_packed, first_fit, gather_packed,
+                                 pack_examples, pack_features)
 from eagle3fn.loss import LossConfig
 from eagle3fn.shapes import Features
 
@@ -37,6 +38,91 @@ def test_first_fit_golden_and_brute_force():
         assert first_fit(lengths, cap) == bins
     with pytest.raises(ValueError, match="lengths must be in"):
         first_fit([3, 9], 8)
+
+
+def plain_bfd(lengths, cap, window, carry=True):
+    """A readable twin of ``best_fit_decreasing``: scan every open bin for the least room
+    that fits. ``carry=False`` closes each window's bins at its end (a wrong variant)."""
+    bins, opened, room = [], [], []
+    for w, lo in enumerate(range(0, len(lengths), window)):
+        for i in sorted(range(lo, min(lo + window, len(lengths))), key=lambda i: (-lengths[i], i)):
+            fits = [b for b in range(len(bins)) if room[b] >= lengths[i]
+                    and opened[b] in ((w - 1, w) if carry else (w,))]
+            if fits:
+                b = min(fits, key=lambda b: (room[b], b))
+            else:
+                b = len(bins)
+                bins.append([])
+                opened.append(w)
+                room.append(cap)
+            bins[b].append(i)
+            room[b] -= lengths[i]
+    return bins
+
+
+def optimal_bins(lengths, cap):
+    """The fewest bins of ``cap`` holding items of ``lengths`` unsplit (exhaustive search)."""
+    items, best = sorted(lengths, reverse=True), [len(lengths)]
+
+    def place(k, rooms):
+        if len(rooms) >= best[0]:
+            return
+        if k == len(items):
+            best[0] = len(rooms)
+            return
+        for b in sorted(set(range(len(rooms))), key=lambda b: rooms[b]):
+            if rooms[b] >= items[k] and rooms[b] not in rooms[:b]:  # equal rooms are the same choice
+                rooms[b] -= items[k]
+                place(k + 1, rooms)
+                rooms[b] += items[k]
+        place(k + 1, rooms + [cap - items[k]])
+    place(0, [])
+    return best[0]
+
+
+def check_plan(lengths, cap, window, rows):
+    """What every packing plan must be: each item exactly once, none split, no row over
+    ``cap``, no row mixing items ``2 * window`` or more apart."""
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths))), "items lost or repeated"
+    assert all(sum(lengths[i] for i in r) <= cap for r in rows), "a row over its length"
+    assert all(max(r) - min(r) < 2 * window for r in rows), "a row mixes items from far apart"
+
+
+def test_best_fit_decreasing_against_twin_and_exhaustive_search():
+    """The packer equals its plain twin (windows carried over one window), keeps every
+    plan invariant, is deterministic, never beats the exhaustive optimum, and on random
+    inputs needs no more rows than first-fit in order. Controls: the twin without the
+    carry-over differs; corrupted plans fail ``check_plan``."""
+    g = torch.Generator().manual_seed(1)
+    differs = 0
+    ff = bfd = 0
+    for trial in range(60):
+        cap = int(torch.randint(4, 30, (1,), generator=g))
+        n = int(torch.randint(0, 8 if trial < 30 else 60, (1,), generator=g))
+        lengths = torch.randint(1, cap + 1, (n,), generator=g).tolist()
+        for window in (1, 2, 3, 5, 64):
+            rows = best_fit_decreasing(lengths, cap, window)
+            assert rows == plain_bfd(lengths, cap, window) == best_fit_decreasing(lengths, cap, window)
+            check_plan(lengths, cap, window, rows)
+            differs += rows != plain_bfd(lengths, cap, window, carry=False)
+            if trial < 30:
+                assert len(rows) >= optimal_bins(lengths, cap)
+        ff, bfd = ff + len(first_fit(lengths, cap)), bfd + len(best_fit_decreasing(lengths, cap, max(n, 1)))
+    assert bfd < ff, (bfd, ff)
+    assert differs > 0
+    assert optimal_bins([5, 5, 4, 3, 3], 10) == 2 and best_fit_decreasing([5, 5, 4, 3, 3], 10) == [[0, 1], [2, 3, 4]]
+    lengths, rows = [3, 4, 2, 5], [[0, 1], [2, 3]]
+    check_plan(lengths, 8, 2, rows)
+    for bad, why in (([[0, 1], [2]], "lost"), ([[0, 1], [1, 2, 3]], "repeated"), ([[1, 3], [0, 2]], "over"),
+                     ([[0, 2], [1], [3]], None), ([[3, 0], [1], [2]], "far apart")):
+        if why is None:
+            check_plan(lengths, 8, 2, bad)
+            continue
+        with pytest.raises(AssertionError, match=why):
+            check_plan(lengths, 8, 1, bad) if why == "far apart" else check_plan(lengths, 8, 2, bad)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        best_fit_decreasing([3, 9], 8)
+    assert PACK_WINDOW >= 1
 
 
 def _example(n, source):
@@ -180,23 +266,25 @@ def loop_cache(workdir, tmp_path_factory):  # noqa: F811
 
 def test_loop_packed_equals_unpacked(workdir, tmp_path, monkeypatch):  # noqa: F811
     """The loop's first gradient (every conversation in one micro-batch: 8 x 77
-    unpacked, 4 packed rows x 160) is the same packed or not under token_mean, and
-    under local_mean once each is multiplied by its divisor (B*S: 640 and 616).
-    Controls: the local_mean gradients unscaled; the draft's or the target's attention
-    leaking across conversations."""
+    unpacked, 4 packed rows x 160, 2 rows x 320 with --pack-length 320) is the same
+    packed or not under token_mean, and under local_mean once each is multiplied by its
+    divisor (B*S: 640, 640 and 616). Controls: the local_mean gradients unscaled; in
+    the rows of 320, the draft's or the target's attention leaking across
+    conversations."""
     from loop_grad_cases import first_grads
 
     for loss in (TOKEN, LOCAL):
         kw = dict(loss=loss, trim="backbone", trim_loss_positions=False)
         unpacked = first_grads(_loop_config(workdir, tmp_path / f"u{loss.normalization}", batch_size=8, **kw))
-        packed = first_grads(_loop_config(workdir, tmp_path / f"p{loss.normalization}", batch_size=4,
-                                          pack=True, **kw))
-        if loss is TOKEN:
-            assert _rel(packed, unpacked) <= 1e-10
-        else:
-            scaled = lambda g, x: {n: v * x for n, v in g.items()}  # noqa: E731
-            assert _rel(scaled(packed, 4 * 160), scaled(unpacked, 8 * 77)) <= 1e-10
-            assert _rel(packed, unpacked) > 1e-3
+        for rows, length in ((4, None), (2, 320)):
+            packed = first_grads(_loop_config(workdir, tmp_path / f"p{loss.normalization}{rows}", batch_size=rows,
+                                              pack=True, pack_length=length, **kw))
+            if loss is TOKEN:
+                assert _rel(packed, unpacked) <= 1e-10
+            else:
+                scaled = lambda g, x: {n: v * x for n, v in g.items()}  # noqa: E731
+                assert _rel(scaled(packed, rows * (length or 160)), scaled(unpacked, 8 * 77)) <= 1e-10
+                assert _rel(packed, unpacked) > 1e-3
     # Controls: the draft's attention, or the target's, blind to the documents. (Row maps
     # without document bounds change nothing here: chat data never supervises a
     # conversation's first k tokens, its prompt comes first.)
@@ -207,17 +295,75 @@ def test_loop_packed_equals_unpacked(workdir, tmp_path, monkeypatch):  # noqa: F
                                 (masking, "find_packed_sequence_indices", lambda position_ids: None)):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, blind)
-            got = first_grads(_loop_config(workdir, tmp_path / f"blind-{name}", batch_size=4, pack=True,
-                                           loss=TOKEN))
+            got = first_grads(_loop_config(workdir, tmp_path / f"blind-{name}", batch_size=2, pack=True,
+                                           pack_length=320, loss=TOKEN))
         assert _rel(got, want) > 1e-3, name
 
 
 def test_loop_packed_cache_equals_unpacked(workdir, loop_cache, tmp_path):  # noqa: F811
-    """The offline cache packed as read (each 2-conversation shard -> one row), four
-    shards in one step (grad_accum 4, token_mean): the unpacked cache's gradient."""
+    """The offline cache (four shards of 2 conversations) packed across its shards, in
+    rows of 160 (grad_accum 4) and of 320: the unpacked cache's gradient (token_mean).
+    Control: the offline rows gathered with each conversation's positions counted from
+    its row's start (no restart) change it."""
+    import eagle3fn.io.packing as packing
     from loop_grad_cases import first_grads
 
     kw = dict(cache=str(loop_cache), grad_accum=4, loss=TOKEN)
-    packed = first_grads(_loop_config(workdir, tmp_path / "p", pack=True, **kw))
     unpacked = first_grads(_loop_config(workdir, tmp_path / "u", **kw))
-    assert _rel(packed, unpacked) <= 1e-10
+    for length in (None, 320):
+        packed = first_grads(_loop_config(workdir, tmp_path / f"p{length}", pack=True, pack_length=length, **kw))
+        assert _rel(packed, unpacked) <= 1e-10
+    real = packing._positions
+    try:
+        packing._positions = lambda lengths, width: torch.arange(width)
+        wrong = first_grads(_loop_config(workdir, tmp_path / "wrong", pack=True, pack_length=320, **kw))
+    finally:
+        packing._positions = real
+    assert _rel(wrong, unpacked) > 1e-3
+
+
+def test_offline_packing_plan_and_resume_fingerprint(workdir, loop_cache, tmp_path):  # noqa: F811
+    """Offline packed batches: every training conversation exactly once, rows of at
+    most --pack-length, the held-out shard's conversations apart, the same items on
+    every build, each loaded batch of the planned shape; a run resumed after its first
+    step ends bitwise as one uninterrupted run. The run fingerprint records how rows
+    are packed: a resume with another --pack-window is refused, naming it; an unpacked
+    run records none of it."""
+    import dataclasses
+
+    from eagle3fn.errors import RunError
+    from eagle3fn.train.checkpoint import run_fingerprint
+    from eagle3fn.train.loop import train
+    from eagle3fn.train.sources import offline_source
+
+    cfg = _loop_config(workdir, tmp_path / "run", cache=str(loop_cache), pack=True, pack_length=200,
+                       batch_size=1, eval_holdout=2, loss=TOKEN)
+    (train_ex, src), (held_ex, holdout) = offline_source(cfg, torch.device("cpu"), prefetch=0)
+    again = offline_source(cfg, torch.device("cpu"), prefetch=0)[0][1]
+    assert src.items == again.items
+    refs = [ref for item in src.items for row in item for ref in row]
+    assert sorted(refs) == [(i, b) for i in range(3) for b in range(2)]  # shards 0-2 train, shard 3 is held out
+    assert {i for item in holdout.items for row in item for i, _ in row} == {3}
+    lengths = {(i, b): len(train_ex[2 * i + b]) for i in range(3) for b in range(2)}
+    for item in src.items:
+        features, mask = src.load(item)
+        assert features.input_ids.shape == (len(item), 200)
+        assert features.attention_mask.sum(1).tolist() == [sum(lengths[r] for r in row) for row in item]
+    fp = lambda c: run_fingerprint(c, device=torch.device("cpu"), precision=torch.float64, world={},  # noqa: E731
+                                   d2t=torch.zeros(1), t2d=torch.zeros(1))["settings"]
+    assert fp(cfg)["pack_rows"] == {"length": 200, "window": PACK_WINDOW}
+    assert not {"pack", "pack_rows", "pack_length", "pack_window"} & fp(dataclasses.replace(cfg, pack=False)).keys()
+    # Resumed after step 1 (background prefetch on, as train runs it): step 2 bitwise
+    # as in one uninterrupted run; another window is refused.
+    from test_train import final_params
+
+    whole = dataclasses.replace(cfg, max_steps=2, out_dir=str(tmp_path / "whole"))
+    train(whole, log=lambda s: None)
+    train(dataclasses.replace(whole, max_steps=1, out_dir=str(tmp_path / "cut")), log=lambda s: None)
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "cut")
+    assert not all(torch.equal(a[n], b[n]) for n in a)  # control: step 2 changes the weights
+    train(dataclasses.replace(whole, out_dir=str(tmp_path / "cut")), log=lambda s: None)
+    b = final_params(tmp_path / "cut")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(RunError, match=f"settings.pack_rows.window: {PACK_WINDOW} -> 4"):
+        train(dataclasses.replace(whole, out_dir=str(tmp_path / "cut"), pack_window=4), log=lambda s: None)
