@@ -151,9 +151,9 @@ class TrainConfig:
     pack_length: int | None = None
     """Tokens per packed row (>= --max-length; default --max-length). Conversations are
     still cut at --max-length, so e.g. --pack-length 8192 --batch-size 1 replaces 4 rows
-    of 2048 with one of 8192 and fills it better: padding 0.7% instead of 7.9% on
-    ``benchmarks/packing.py --conversations 4000``'s chat data, whose conversations are
-    mostly over 1024 tokens (no packing into rows of 2048 goes below 7.6% there).
+    of 2048 with one of 8192 and fills it better: padding 0.7% instead of 7.9% on 4000
+    of benchmarks/packing.py's chat conversations, mostly over 1024 tokens (no packing
+    into rows of 2048 goes below 7.6% there).
     Offline this costs nothing more; online the target's attention over a packed row
     (SDPA with a materialized [N, N] block-diagonal mask) costs O(N^2) per row, up to
     N / max_length times an unpacked row's, and the draft's eager (CPU) attention
