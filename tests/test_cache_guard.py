@@ -400,3 +400,24 @@ def test_verify_names_a_shard_whose_index_disagrees_with_its_tensors(workdir, ca
     (cache / MANIFEST).write_text(json.dumps(m))
     assert [(f.name, f.problem) for f in verify_cache(cache).broken] == [
         (SHARD1, "index does not match its tensors (offsets, ids, aux, teacher rows)")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fast_finite_check_agrees_with_isfinite(dtype):
+    """``_all_finite`` (the reader's bit test) against ``torch.isfinite`` on every
+    non-finite kind at rows in the first, a middle and the last chunk; a tensor
+    with the largest finite values passes (the control that the bits test the
+    exponent, not magnitude), and ``_nonfinite_row`` names the row."""
+    from eagle3fn.io.cache.store import _all_finite, _nonfinite_row
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.full((40, 9), torch.finfo(dtype).max, dtype=dtype)
+    big[::2] = -big[::2]
+    assert _all_finite(big, rows=16) and bool(torch.isfinite(big).all())
+    for row in (0, 17, 39):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            x = torch.randn(40, 3, 3, generator=g).to(dtype)
+            x[row, 2, 1] = value
+            assert _all_finite(x, rows=16) is False and not bool(torch.isfinite(x).all())
+            assert _nonfinite_row(x) == row
+    assert _all_finite(torch.zeros(3, dtype=torch.int64)) is None  # not a float: the slow path decides

@@ -1,7 +1,7 @@
-"""Reading the next batches while the current one trains: a background thread runs the
-host side of a load (disk read, dequantization, packing, pinning), the training thread
-only moves the result to the device (``non_blocking`` from pinned memory on CUDA) and
-records how long it waited (``wait_s``).
+"""Reading the next batches while the current one trains: background threads (one per
+load in flight) run the host side of a load (disk read, dequantization, packing,
+pinning), the training thread only moves the result to the device (``non_blocking``
+from pinned memory on CUDA) and records how long it waited (``wait_s``).
 
 ``Prefetcher(load_host, to_device)`` serves ``get(item, window)``. It learns which item
 comes next from the epoch order it is given (``set_order``) and the stride of the
@@ -58,7 +58,8 @@ class Prefetcher:
 
     def __init__(self, load_host: Callable, to_device: Callable, order: Sequence, *, depth: int = 2) -> None:
         self.load_host, self.to_device, self.depth = load_host, to_device, depth
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3fn-prefetch") if depth else None
+        self._pool = (ThreadPoolExecutor(max_workers=depth, thread_name_prefix="eagle3fn-prefetch")
+                      if depth else None)  # one thread per load in flight: they overlap
         self._lock = threading.Lock()
         self._pending: dict[tuple, Future] = {}
         self._last_pos: int | None = None
