@@ -16,8 +16,8 @@ N)``, of:
 - ``bfd/W``: eagle3fn now (``io.packing.plan_rows``: best fit, longest first, windows
   of W consecutive conversations), online; offline the plan
   ``train.sources.packed_batches`` makes over the cache's shards (the same rows, so
-  the same padding; ``reads`` says how many conversations a batch's shard reads
-  decode per conversation it trains);
+  the same padding; ``shards`` is how many cache shards a batch reads its
+  conversations from, each read alone);
 - ``bound``: a lower bound on the padding of any packing that does not split
   conversations (Martello and Toth's L2 bound on the number of rows, Discrete
   Applied Mathematics 28, 1990): where it exceeds 3%, no packer reaches 3% there.
@@ -115,9 +115,8 @@ def measure(lengths: list[int], *, max_length: int, batch_size: int, pack_length
             cfg = TrainConfig(model="m", cache="c", max_length=max_length, pack_length=N, pack_window=W,
                               batch_size=per_batch)
             batches = packed_batches(shards, cfg)
-            decoded = sum(len(shards[i]) for batch in batches for i in {i for r in batch for i, _ in r})
-            row(f"bfd/{W}", "offline", sum(len(b) for b in batches), window=W,
-                reads=decoded / len(lengths))
+            opened = sum(len({i for r in batch for i, _ in r}) for batch in batches)
+            row(f"bfd/{W}", "offline", sum(len(b) for b in batches), window=W, shards=opened / len(batches))
         row("bound", "any", lower_bound_rows(lengths, N))
     return out
 
@@ -151,11 +150,11 @@ def main(args: Args) -> dict:
     print(f"{data['conversations']} conversations, {data['tokens']} tokens, mean {data['mean_length']:.0f}, "
           f"{data['cut_at_max_length']:.0%} cut at {max_length}, {data['over_half_max_length']:.0%} over "
           f"{max_length // 2}")
-    print(f"{'N':>6} {'rows/b':>6} {'method':<16} {'loop':<8} {'rows':>6} {'padding':>8} {'reads':>6}")
+    print(f"{'N':>6} {'rows/b':>6} {'method':<16} {'loop':<8} {'rows':>6} {'padding':>8} {'shards':>6}")
     for r in rows:
-        reads = f"{r['reads']:.2f}" if "reads" in r else ""
+        shards = f"{r['shards']:.2f}" if "shards" in r else ""
         print(f"{r['pack_length']:>6} {r['rows_per_batch']:>6} {r['method']:<16} {r['loop']:<8} {r['rows']:>6} "
-              f"{r['padding_frac']:>8.2%} {reads:>6}")
+              f"{r['padding_frac']:>8.2%} {shards:>6}")
     return report
 
 

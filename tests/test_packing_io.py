@@ -322,6 +322,27 @@ def test_loop_packed_cache_equals_unpacked(workdir, loop_cache, tmp_path):  # no
     assert _rel(wrong, unpacked) > 1e-3
 
 
+def test_cache_reads_some_conversations_of_a_shard(loop_cache):
+    """``FeatureCache.read(i, conversations=)``: those conversations alone, in that
+    order, as the whole shard's rows (cut to their longest); a window applies to them.
+    Control: the rows in the shard's order differ."""
+    from eagle3fn.io.cache import FeatureCache
+
+    cache = FeatureCache(loop_cache)
+    whole = cache.read(0)
+    L = whole.features.attention_mask.sum(1).tolist()
+    part = cache.read(0, conversations=[1, 0])
+    S = max(L)
+    for name in ("input_ids", "aux", "attention_mask", "final_hidden"):
+        assert torch.equal(getattr(part.features, name), getattr(whole.features, name)[[1, 0], :S]), name
+    assert torch.equal(part.loss_mask, whole.loss_mask[[1, 0], :S])
+    assert not torch.equal(part.features.aux, whole.features.aux[[0, 1], :S])
+    one = cache.read(0, conversations=[1])
+    assert torch.equal(one.features.aux, whole.features.aux[[1], :L[1]])
+    chunk = cache.read(0, (2, 5), conversations=[1])
+    assert torch.equal(chunk.features.aux, whole.features.aux[[1], 2:5])
+
+
 def test_offline_packing_plan_and_resume_fingerprint(workdir, loop_cache, tmp_path):  # noqa: F811
     """Offline packed batches: every training conversation exactly once, rows of at
     most --pack-length, the held-out shard's conversations apart, the same items on

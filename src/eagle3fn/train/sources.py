@@ -7,9 +7,9 @@ With ``--pack`` (SPEC 9) a batch is ``batch_size`` rows of ``row_length`` positi
 (``io.packing.plan_rows``: best fit, longest first, in windows of ``--pack-window``
 consecutive conversations), planned once from the conversations' lengths: online the
 target runs on the packed rows; offline the rows take conversations from any shard of
-the cache (the training shards, and the held-out shards apart), each batch reading the
-shards it needs, their cached features moved along (a packed target forward gives the
-same ones). Either way ``Features.positions`` restart in every conversation, and the
+the cache (the training shards, and the held-out shards apart), each batch reading
+only its conversations from the shards that hold them, their cached features moved
+along (a packed target forward gives the same ones). Either way ``Features.positions`` restart in every conversation, and the
 two plans are the same for the same conversations in the same order.
 
 Legend: B batch, S padded length, N packed row length.
@@ -143,8 +143,9 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     shards' conversations). Unpacked, an item is a shard; with ``pack`` a batch of
     ``packed_batches`` (planned over the training shards, and over the held-out ones
     apart). Each source reads ``prefetch`` items ahead in a background thread
-    (``io.prefetch``: the disk read, dequantization and, with ``pack``, gathering the
-    conversations into rows (``io.packing.gather_packed``), into pinned memory), the
+    (``io.prefetch``: the disk read, dequantization and, with ``pack``, reading the
+    batch's conversations from their shards (``FeatureCache.read(i, conversations=)``)
+    and gathering them into rows (``io.packing.gather_packed``), into pinned memory), the
     training thread only copies them to ``device`` (non-blocking) in the compute dtype
     (a bf16 cache trains on the CPU in fp32) and records its wait
     (``Source.take_wait``). The target head moves to the device once."""
@@ -158,12 +159,15 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     head = cache.target_head.to(device=device, dtype=dtype)
 
     def load_host(item, window=None):
-        if cfg.packs:  # rows of conversations from the shards they come from (no window: one rank per sequence)
-            shards = sorted({i for row in item for i, _ in row})
-            parts = [cache.read(i) for i in shards]
-            at = {i: p for p, i in enumerate(shards)}
+        if cfg.packs:  # rows of conversations, read alone from their shards (no window: one rank per sequence)
+            wanted = {}  # shard -> its conversations this batch takes, in order
+            for row in item:
+                for i, b in row:
+                    wanted.setdefault(i, []).append(b)
+            parts = [cache.read(i, conversations=bs) for i, bs in wanted.items()]
+            at = {(i, b): (p, k) for p, (i, bs) in enumerate(wanted.items()) for k, b in enumerate(bs)}
             features, loss_mask = gather_packed([(p.features, p.loss_mask) for p in parts],
-                                                [[(at[i], b) for i, b in row] for row in item],
+                                                [[at[ref] for ref in row] for row in item],
                                                 cfg.row_length, cfg.max_length)
         else:
             read = cache.read(item, window)

@@ -104,18 +104,22 @@ class FeatureCache:
         except SafetensorError as e:
             raise self._broken(HEAD, f"is unreadable ({e})") from e
 
-    def _load(self, name: str, entry: dict, window) -> dict[str, torch.Tensor]:
+    def _load(self, name: str, entry: dict, window, conversations=None) -> dict[str, torch.Tensor]:
         """One shard's CPU tensors: the small ones whole, ``aux`` / ``final_hidden``
-        (and ``aux_scale``) as the rows at positions in ``window`` (None: all)."""
+        (and ``aux_scale``) as the rows at positions in ``window`` (None: all) of the
+        ``conversations`` (None: all; else ``_spans`` holds only theirs)."""
         try:
             with self._open(name, entry) as f:
                 t = {k: f.get_tensor(k) for k in layout.INDEX_KEYS}
-                if window is None:
+                if window is None and conversations is None:
                     t.update({k: f.get_tensor(k) for k in f.keys() if k not in t})
                     return t
+                window = (0, entry["seq_len"]) if window is None else window
                 spans = {"aux": layout.conversation_rows(t["offsets"], None, None, window),
                          "final_hidden": layout.conversation_rows(t["offsets"], t["teacher_positions"],
                                                                   t["teacher_offsets"], window)}
+                if conversations is not None:
+                    spans = {k: [v[b] for b in conversations] for k, v in spans.items()}
                 keys = [k for k in ("aux", "aux_scale", "final_hidden") if k in f.keys()]
                 for k in keys:
                     part = f.get_slice(k)
@@ -128,12 +132,15 @@ class FeatureCache:
     def __getitem__(self, i: int) -> CachedBatch:
         return self.read(i)
 
-    def read(self, i: int, window=None) -> CachedBatch:
+    def read(self, i: int, window=None, conversations=None) -> CachedBatch:
         """Shard i; with ``window=(start, stop)`` (or a function of the shard's length
         S returning it) the large per-position tensors (``aux``, ``final_hidden``) hold
         only positions ``[start, min(stop, S))``, read from disk as slices (a
         sequence-parallel rank reads its own chunk and tail; ``(0, 0)`` reads ids and
-        masks alone), while ids and masks stay whole ``[B, S]``."""
+        masks alone), while ids and masks stay whole ``[B, S]``. With
+        ``conversations`` (indices into the shard, e.g. the ones a packed batch takes)
+        only those are read, in that order: ``[len(conversations), S', ...]`` with S'
+        their longest (the window, if given, applies to them)."""
         from eagle3fn.io.batching import collate
         from eagle3fn.io.data import Example
 
@@ -142,24 +149,26 @@ class FeatureCache:
         S = entry["seq_len"]
         if callable(window):
             window = window(S)
-        t = self._load(name, entry, window)
+        t = self._load(name, entry, window, conversations)
+        offsets, t_offsets = t["offsets"], t["teacher_offsets"]
+        keep = list(range(len(offsets) - 1)) if conversations is None else list(conversations)
+        examples = [Example(t["input_ids"][offsets[b]:offsets[b + 1]].long(),
+                            t["loss_mask"][offsets[b]:offsets[b + 1]], f"{name}:{b}") for b in keep]
+        batch = collate(examples, entry["pad_id"])
+        S = batch["input_ids"].shape[1] if conversations is not None else S
         window = (0, S) if window is None else (min(window[0], S), max(min(window[1], S), min(window[0], S)))
         if "aux_scale" in t:
             t["aux"] = layout.dequantize_fp8(t["aux"], t["aux_scale"])
         spans = t.pop("_spans", None)
-        self._check_finite(name, t, spans, window)
-        offsets, t_offsets = t["offsets"], t["teacher_offsets"]
-        B = len(offsets) - 1
-        examples = [Example(t["input_ids"][offsets[b]:offsets[b + 1]].long(),
-                            t["loss_mask"][offsets[b]:offsets[b + 1]], f"{name}:{b}") for b in range(B)]
-        batch = collate(examples, entry["pad_id"])
+        self._check_finite(name, t, spans, (window, None if conversations is None else tuple(keep)))
         assert batch["input_ids"].shape[1] == S, (name, S)
+        B = len(keep)
         if spans is None:
             spans = {"aux": [(int(offsets[b]), int(offsets[b + 1])) for b in range(B)],
                      "final_hidden": [(int(t_offsets[b]), int(t_offsets[b + 1])) for b in range(B)]}
-        conv = {k: torch.cat([torch.full((hi - lo,), b, dtype=torch.long) for b, (lo, hi) in enumerate(v)])
+        conv = {k: torch.cat([torch.full((hi - lo,), r, dtype=torch.long) for r, (lo, hi) in enumerate(v)])
                 for k, v in spans.items()}
-        aux_pos = torch.cat([torch.arange(lo, hi) - offsets[b] for b, (lo, hi) in enumerate(spans["aux"])])
+        aux_pos = torch.cat([torch.arange(lo, hi) - offsets[b] for b, (lo, hi) in zip(keep, spans["aux"])])
         fh_pos = torch.cat([t["teacher_positions"][lo:hi] for lo, hi in spans["final_hidden"]])
         features = Features(
             input_ids=batch["input_ids"].to(self.device),
