@@ -12,8 +12,9 @@ The stages, in order::
     io.batching.batches(examples, seed=...)      deterministic shuffled groups of examples
     io.batching.collate(examples, pad_token_id)  input_ids / attention_mask / loss_mask [B, S]
 
-or, packed (``--pack``, SPEC 9), several conversations per row of ``max_length``
-tokens, first-fit in file order: ``io.packing.pack_examples`` and ``collate_packed``
+or, packed (``--pack``, SPEC 9), several conversations per row of ``--pack-length``
+tokens (default ``max_length``), best fit by windows of consecutive conversations:
+``io.packing.pack_examples`` and ``collate_packed``
 (which adds ``position_ids [B, S]``, restarting at 0 in each conversation).
 
 ``loss_mask`` is SPEC section 1's chat mask ``m_t``: 1 on every token of an assistant
