@@ -254,8 +254,8 @@ class Bench:
     def train_argv(self, loop: str, mode: str, out_dir: Path, cache: Path, pack: bool = False) -> list[str]:
         """The ``eagle3fn train`` arguments of one run."""
         a = self.args
-        source = (["--cache", str(cache)] if loop == "offline"
-                  else ["--data", str(self.data_path), "--batch-size", str(a.batch_size)])
+        source = ["--cache", str(cache)] if loop == "offline" else ["--data", str(self.data_path)]
+        source += ["--batch-size", str(a.batch_size)]  # rows per batch; an unpacked cache keeps its shards
         return ["train", "--model", str(self.model_dir), *source, "--out-dir", str(out_dir), "--trim", mode,
                 "--max-length", str(a.max_length), "--max-steps", str(a.steps), "--epochs", "1",
                 "--draft-vocab-size", str(self.shape.draft_vocab), "--ttt-length", str(a.ttt_length),

@@ -191,8 +191,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (> 0); ``None`` turns clipping off
     explicitly (the norm is still measured, logged and checked)."""
     batch_size: int = 4
-    """Conversations per micro-batch (online; packed rows with --pack); cache shards are
-    used as they are."""
+    """Conversations per micro-batch (online), or packed rows with --pack (online and
+    offline); an unpacked cache's shards are used as they are."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     epochs: int = 1
