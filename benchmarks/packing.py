@@ -105,7 +105,7 @@ def measure(lengths: list[int], *, max_length: int, batch_size: int, pack_length
     for N in pack_lengths:
         per_batch = max(1, batch_size * max_length // N)
 
-        def row(method, loop, rows, **extra):
+        def row(method, loop, rows, N=N, per_batch=per_batch, **extra):
             out.append({"pack_length": N, "rows_per_batch": per_batch, "method": method, "loop": loop,
                         "rows": rows, "padding_frac": _padding(real, rows, N), **extra})
         row("first-fit", "online", len(first_fit(lengths, N)))

@@ -10,8 +10,8 @@ from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
 import eagle3fn.unrolled.attention as attention_module
 from eagle3fn.io.data import Example
-from eagle3fn.io.packing import (PACK_WINDOW, best_fit_decreasing, collate_packed, first_fit, gather_packed,
-                                 pack_examples, pack_features)
+from eagle3fn.io.packing import (PACK_WINDOW, best_fit_decreasing, collate_packed, first_fit, pack_examples,
+                                 pack_features)
 from eagle3fn.loss import LossConfig
 from eagle3fn.shapes import Features
 
@@ -359,7 +359,7 @@ def test_offline_packing_plan_and_resume_fingerprint(workdir, loop_cache, tmp_pa
 
     cfg = _loop_config(workdir, tmp_path / "run", cache=str(loop_cache), pack=True, pack_length=200,
                        batch_size=1, eval_holdout=2, loss=TOKEN)
-    (train_ex, src), (held_ex, holdout) = offline_source(cfg, torch.device("cpu"), prefetch=0)
+    (train_ex, src), (_, holdout) = offline_source(cfg, torch.device("cpu"), prefetch=0)
     again = offline_source(cfg, torch.device("cpu"), prefetch=0)[0][1]
     assert src.items == again.items
     refs = [ref for item in src.items for row in item for ref in row]
@@ -367,7 +367,7 @@ def test_offline_packing_plan_and_resume_fingerprint(workdir, loop_cache, tmp_pa
     assert {i for item in holdout.items for row in item for i, _ in row} == {3}
     lengths = {(i, b): len(train_ex[2 * i + b]) for i in range(3) for b in range(2)}
     for item in src.items:
-        features, mask = src.load(item)
+        features, _ = src.load(item)
         assert features.input_ids.shape == (len(item), 200)
         assert features.attention_mask.sum(1).tolist() == [sum(lengths[r] for r in row) for row in item]
     fp = lambda c: run_fingerprint(c, device=torch.device("cpu"), precision=torch.float64, world={},  # noqa: E731

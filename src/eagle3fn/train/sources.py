@@ -9,8 +9,9 @@ consecutive conversations), planned once from the conversations' lengths: online
 target runs on the packed rows; offline the rows take conversations from any shard of
 the cache (the training shards, and the held-out shards apart), each batch reading
 only its conversations from the shards that hold them, their cached features moved
-along (a packed target forward gives the same ones). Either way ``Features.positions`` restart in every conversation, and the
-two plans are the same for the same conversations in the same order.
+along (a packed target forward gives the same ones). Either way ``Features.positions``
+restart in every conversation, and the two plans are the same for the same
+conversations in the same order.
 
 Legend: B batch, S padded length, N packed row length.
 """
