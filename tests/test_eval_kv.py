@@ -193,7 +193,7 @@ def agreeing_pair(dtype=torch.float64, device="cpu", vocab=V, hidden=32, layers=
             layer.mlp.down_proj.weight.mul_(2.0)
         model.model.layers[-1].self_attn.o_proj.weight.zero_()
         model.model.layers[-1].mlp.down_proj.weight.zero_()
-    target = load_target(model.to(device), aux_layer_ids=(0, 1, layers - 2), dtype=dtype)
+    target = load_target(model, aux_layer_ids=(0, 1, layers - 2), dtype=dtype, device=device)
     cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_heads=4, num_kv_heads=2, vocab_size=vocab,
                       draft_vocab_size=vocab, target_hidden_size=hidden, rms_norm_eps=model.config.rms_norm_eps)
     params = init_params(cfg, embed_tokens=target.embed_tokens, dtype=dtype, device=device, seed=seed)

@@ -311,7 +311,8 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
     prompts of lengths 1 to 11 in one batch (left padding), with a real draft built to
     agree often (``test_eval_kv.agreeing_pair``: every acceptance count 0..k), one row
     ending early at an EOS, compaction every round; the eager ``impl="dynamic"`` gives
-    the same accepted counts. Negative control: a wrong rollback (the rejected slots of
+    the same accepted counts; the two graphs are recorded once, not again in later
+    rounds. Negative control: a wrong rollback (the rejected slots of
     every round left visible in the target's cache) is caught by the same comparison."""
     import types
 
@@ -338,9 +339,19 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
                        SpecConfig(num_draft_tokens=k, max_new_tokens=new), impl=impl, stages=stages)
         return [r.tokens for r in out], [r.accepted_per_round for r in out]
 
+    recordings = []
+    real_prepare = spec._Graphed.prepare
+
+    def counted(self):
+        recordings.append(self.due)
+        real_prepare(self)
+
+    monkeypatch.setattr(spec._Graphed, "prepare", counted)
     stages = StageTimes()
     tokens, counts = run(stages=stages)
-    assert stages.record_s > 0  # the CUDA graphs were recorded, hence replayed
+    # Two graphs (context update, chain) recorded once, replayed every round after: the
+    # cache (64 slots, compacted every round) never grows here.
+    assert sum(recordings) == 2 and stages.rounds > 2 and stages.record_s > 0
     assert tokens == want
     assert {n for c in counts for n in c} == set(range(k + 1)), counts
     assert len({len(c) for c in counts}) > 1  # rows left at different rounds

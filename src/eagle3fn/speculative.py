@@ -35,7 +35,11 @@ on every context row) is the readable twin. ``generate`` (several prompts per ba
 target on a transformers ``DynamicCache`` and the draft on its own key/value cache, both
 rolled back on rejection) is what ``evaluate`` and ``eagle3fn eval`` run, timed against
 the target alone (``target_generate``). Tests hold ``generate`` to ``model.generate`` and
-to ``speculative_generate`` (greedy and sampled, token for token).
+to ``speculative_generate`` (greedy and sampled, token for token). ``generate`` has two
+implementations of its draft side with the same output: ``impl="static"`` (fixed-shape
+buffers; on CUDA with greedy decoding each round's draft work is two CUDA-graph
+replays; the default on CUDA) and ``impl="dynamic"`` (tensors grown per round, every
+kernel launched from Python).
 """
 
 from __future__ import annotations
@@ -454,7 +458,9 @@ def speculative_generate(target: TargetModel, tokenizer_or_none,
 # left-padded (pad slots invalid); every round appends the k + 1 verified slots to both,
 # marks those after the accepted prefix invalid, and crops the slots no row keeps. The
 # explicit position ids carry each row's true positions, so a row's attention and RoPE see
-# exactly its own tokens, as if it were decoded alone.
+# exactly its own tokens, as if it were decoded alone. The static path (``_StaticDraft``)
+# keeps the draft's slots 0..S-1 in a larger buffer whose slots past S are invalid, and
+# keeps finished rows in the draft's buffers (the target's batch still shrinks).
 
 
 COMPACT_SLACK = 64
@@ -572,9 +578,14 @@ class _Graphed:
     def __init__(self, fn: Callable[[], None], graph: bool) -> None:
         self.fn, self.graph, self.recorded = fn, graph, None
 
+    @property
+    def due(self) -> bool:
+        """A recording is due (graph mode, not recorded yet)."""
+        return self.graph and self.recorded is None
+
     def prepare(self) -> None:
         """Record the graph if it is due (no-op when eager or recorded)."""
-        if not self.graph or self.recorded is not None:
+        if not self.due:
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -582,7 +593,9 @@ class _Graphed:
             self.fn()
         torch.cuda.current_stream().wait_stream(side)
         self.recorded = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.recorded):
+        # thread_local: CUDA calls of other threads (a training loop's prefetching
+        # reader) during the recording are theirs, not an error of the recording.
+        with torch.cuda.graph(self.recorded, capture_error_mode="thread_local"):
             self.fn()
 
     def __call__(self) -> None:
@@ -1089,8 +1102,9 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
             valid, pos_t, token = valid[index], pos_t[index], token[index]
             live_rows = torch.tensor(rows, device=draft.device)
         state.reserve(S + k + 1)
-        with stage("record_s"):
-            state.chain.prepare()
+        if state.chain.due:
+            with stage("record_s"):
+                state.chain.prepare()
         with stage("draft_chain_s"):
             state.chain()
         proposal = (state.tokens.clone() if live_rows is None else state.tokens[live_rows]).to(device)
@@ -1104,8 +1118,9 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
         kept = _kept(n, steps)
         nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
         state.put(live_rows, aux=aux, nxt=nxt, pos=positions, n=n, kept=kept)
-        with stage("record_s"):
-            state.update.prepare()
+        if state.update.due:
+            with stage("record_s"):
+                state.update.prepare()
         with stage("draft_context_s"):
             state.update()
         valid = torch.cat((valid, kept), 1)
