@@ -78,7 +78,7 @@ PACK_WINDOW = 256
 """Default packing window W (``--pack-window``). ``benchmarks/packing.py --conversations
 4000`` (WildChat-like chats, mean ~1620 tokens, cut at 2048), padding at W = 64 / 256 /
 1024: 8.4 / 7.9 / 7.7% in rows of 2048 (no packing can go below 7.6% there: 86% of the
-conversations exceed 1024 tokens, so none share a row) and 1.1 / 0.7 / 0.6% in rows of
+conversations exceed 1024 tokens and no two of those share a row) and 1.1 / 0.7 / 0.6% in rows of
 8192."""
 
 
@@ -87,11 +87,10 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int, window: int = PAC
     last may be shorter): each window's items longest first (equal lengths in index
     order), each into the open bin with the least room that still fits it (the
     earliest opened among equals), a new bin when none fits. The bins opened in a
-    window stay open through the next window, then close: a bin holds items at most
-    ``2 * window`` apart, and no window's last bins are left half empty. Bins come in
-    the order opened; items in a bin in the order placed. ``O(n log n + n * open
-    bins)``. Every
-    length must be in ``[1, capacity]``."""
+    window stay open through the next window, then close: the next window's items
+    fill the gaps a window leaves, and a bin's items are less than ``2 * window``
+    apart in index. Bins come in the order opened; items in a bin in the order
+    placed. ``O(n log n + n * open bins)``. Every length must be in ``[1, capacity]``."""
     if capacity < 1 or window < 1:
         raise ValueError(f"capacity ({capacity}) and window ({window}) must be >= 1")
     bad = [L for L in lengths if not 1 <= L <= capacity]
@@ -156,7 +155,7 @@ def _positions(lengths: Sequence[int], width: int) -> torch.Tensor:
 def collate_packed(rows: Sequence[Sequence[Example]], pad_token_id: int,
                    length: int | None = None) -> dict[str, torch.Tensor]:
     """Packed rows (``pack_examples``) as one batch of ``length`` positions (default the
-    longest row; pass ``max_length`` so every batch has one shape).
+    longest row; pass the row length, ``--pack-length``, so every batch has one shape).
 
     Returns ``input_ids`` int64 ``[B, S]`` (``pad_token_id`` past the documents),
     ``attention_mask`` int64 ``[B, S]`` (1 on every document's tokens: a right-padded
