@@ -1,7 +1,10 @@
-"""Sequence packing (SPEC 9), data to loop: first-fit packing and collation, the
-target's features of a packed batch (equal to each conversation alone, with controls
-that leak across conversations), the refusals, and the training loop's first gradient
-packed vs unpacked (online and from the cache) in fp64 at 1e-10."""
+"""Sequence packing (SPEC 9), data to loop: the packers (first-fit, windowed best fit
+against a plain twin and exhaustive search) and collation, the target's features of a
+packed batch (equal to each conversation alone, with controls that leak across
+conversations), the refusals, the training loop's first gradient packed vs unpacked
+(online and from the cache, rows of --max-length and longer) in fp64 at 1e-10, the
+offline plan across shards, reading a shard's conversations alone, packed resume and
+its fingerprint."""
 
 import pytest
 import torch
