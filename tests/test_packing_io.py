@@ -156,6 +156,19 @@ def test_pack_examples_and_collate():
         pack_examples(ex, 8, length=7)
 
 
+def test_packing_flags_are_checked():
+    """--pack-length below --max-length and --pack-window < 1 are refused at once,
+    naming the value and the fix; the row length defaults to --max-length."""
+    from eagle3fn.train.config import TrainConfig
+
+    assert TrainConfig(model="m", data="d", max_length=512).row_length == 512
+    assert TrainConfig(model="m", data="d", max_length=512, pack_length=2048).row_length == 2048
+    with pytest.raises(ValueError, match=r"--pack-length 256: must be >= --max-length \(512\)"):
+        TrainConfig(model="m", data="d", max_length=512, pack_length=256)
+    with pytest.raises(ValueError, match="--pack-window 0: must be >= 1"):
+        TrainConfig(model="m", data="d", pack_window=0)
+
+
 # ---------------------------------------------------------------------------- target
 
 
