@@ -575,8 +575,8 @@ class _Graphed:
     handles and the RoPE frequencies exists before recording) and records it; ``fn``
     must be idempotent on its inputs, as running it twice is what this does."""
 
-    def __init__(self, fn: Callable[[], None], graph: bool) -> None:
-        self.fn, self.graph, self.recorded = fn, graph, None
+    def __init__(self, fn: Callable[[], None], graph: bool, device: torch.device) -> None:
+        self.fn, self.graph, self.device, self.recorded = fn, graph, device, None
 
     @property
     def due(self) -> bool:
@@ -587,16 +587,17 @@ class _Graphed:
         """Record the graph if it is due (no-op when eager or recorded)."""
         if not self.due:
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        self.recorded = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a training loop's prefetching
-        # reader) during the recording are theirs, not an error of the recording.
-        with torch.cuda.graph(self.recorded, capture_error_mode="thread_local"):
-            self.fn()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.recorded = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (a training loop's prefetching
+            # reader) during the recording are theirs, not an error of the recording.
+            with torch.cuda.graph(self.recorded, capture_error_mode="thread_local"):
+                self.fn()
 
     def __call__(self) -> None:
         if not self.graph:
@@ -643,8 +644,8 @@ class _StaticDraft:
         self._record()
 
     def _record(self) -> None:
-        self.update = _Graphed(self._update, self.graph)
-        self.chain = _Graphed(self._chain, self.graph)
+        self.update = _Graphed(self._update, self.graph, self.keys.device)
+        self.chain = _Graphed(self._chain, self.graph, self.keys.device)
 
     def _update(self) -> None:
         g, u, keys, values = self.draft.context(self.aux, self.nxt, self.pos, self.kept)
@@ -880,7 +881,7 @@ class _Stage:
     of ``StageTimes`` (nothing, not even a sync, when there is none)."""
 
     def __init__(self, times: StageTimes | None, device: torch.device) -> None:
-        self.times, self.cuda = times, device.type == "cuda"
+        self.times, self.device, self.cuda = times, device, device.type == "cuda"
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -888,11 +889,11 @@ class _Stage:
             yield
             return
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         yield
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         setattr(self.times, name, getattr(self.times, name) + time.perf_counter() - t0)
 
 
@@ -945,7 +946,7 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
     results = run(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage)
     if stages is not None:
         if stage.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(stage.device)
         stages.total_s += time.perf_counter() - t0
     return results
 
