@@ -841,6 +841,28 @@ def _verify(logits_BKV: torch.Tensor, tokens_BK: torch.Tensor, probs_BKV: torch.
             torch.tensor([t for _, t in out], device=tokens_BK.device))
 
 
+def _verify_round(target: TargetModel, cache, token_B: torch.Tensor, proposal_BK: torch.Tensor,
+                  probs_BKV: torch.Tensor | None, valid_BS: torch.Tensor, pos_B: torch.Tensor,
+                  steps: torch.Tensor, temperature: float, generators: list[torch.Generator],
+                  rows: list[int], stage) -> tuple[torch.Tensor, ...]:
+    """One round's verification, the same in both implementations: the cached target
+    forward on ``x_{T-1}, d_1..d_k`` (``token [B]`` then ``proposal [B, k]``) at
+    positions ``pos + 1 + steps``, timed as ``verify_s``, and its acceptance. Returns
+    ``(aux [B, k+1, 3*Ht], positions [B, k+1], n [B] accepted counts, token [B] the
+    next token, kept [B, k+1] (``_kept``), nxt [B, k+1])``, ``nxt`` being each verified
+    slot's next token (the proposal shifted, the target's token at slot ``n``)."""
+    k = proposal_BK.shape[1]
+    positions = pos_B[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
+    fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=valid_BS.device)
+    with stage("verify_s"):
+        aux, logits = _target_forward(target, torch.cat((token_B[:, None], proposal_BK), 1),
+                                      torch.cat((valid_BS, fresh), 1), positions, cache, k + 1)
+    n, token = _verify(logits, proposal_BK, probs_BKV, temperature, generators, rows)
+    kept = _kept(n, steps)
+    nxt = torch.cat((proposal_BK, proposal_BK[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
+    return aux, positions, n, token, kept, nxt
+
+
 def _prompt_list(prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Prompts ``[L]`` or ``[1, L]`` as ``[L]`` each; ValueError for none, an empty one
     or another shape."""
@@ -1018,14 +1040,8 @@ def _generate_dynamic(target, tokenizer_or_none, draft_params, draft_cfg, d2t, p
         with stage("draft_chain_s"):
             proposal, probs = draft.chain(g_t, u_t, pos_t.to(draft.device), keys, values, dvalid, k, choose)
         proposal = proposal.to(device)
-        positions = pos_t[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
-        fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=device)
-        with stage("verify_s"):
-            aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
-                                          torch.cat((valid, fresh), 1), positions, cache, k + 1)
-        n, token = _verify(logits, proposal, probs, temperature, generators, rows)
-        kept = _kept(n, steps)
-        nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
+        aux, positions, n, token, kept, nxt = _verify_round(target, cache, token, proposal, probs, valid, pos_t,
+                                                            steps, temperature, generators, rows, stage)
         with stage("draft_context_s"):
             g, u, new_keys, new_values = draft.context(aux, nxt.to(draft.device), positions.to(draft.device),
                                                        kept.to(draft.device))
@@ -1110,14 +1126,8 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
             state.chain()
         proposal = (state.tokens.clone() if live_rows is None else state.tokens[live_rows]).to(device)
         probs = None if state.probs is None else state.probs if live_rows is None else state.probs[live_rows.cpu()]
-        positions = pos_t[:, None] + 1 + steps  # x_{T-1}, d_1..d_k
-        fresh = torch.ones(len(rows), k + 1, dtype=torch.bool, device=device)
-        with stage("verify_s"):
-            aux, logits = _target_forward(target, torch.cat((token[:, None], proposal), 1),
-                                          torch.cat((valid, fresh), 1), positions, cache, k + 1)
-        n, token = _verify(logits, proposal, probs, temperature, generators, rows)
-        kept = _kept(n, steps)
-        nxt = torch.cat((proposal, proposal[:, :1]), 1).scatter(1, n[:, None].long(), token[:, None])
+        aux, positions, n, token, kept, nxt = _verify_round(target, cache, token, proposal, probs, valid, pos_t,
+                                                            steps, temperature, generators, rows, stage)
         state.put(live_rows, aux=aux, nxt=nxt, pos=positions, n=n, kept=kept)
         if state.update.due:
             with stage("record_s"):
