@@ -82,6 +82,26 @@ def test_no_recompilation_after_the_first_step(workdir, tmp_path, monkeypatch, k
     if not kw.get("pack"):
         assert len(keys) >= 3, keys
     assert counts[-1] == counts[0], (counts, examples)
+    # Step 1 too: each compiled function is traced once (no second graph for a view
+    # where another step passes a fresh tensor), so warm-up compiles nothing twice.
+    assert counts[0] == 0, (counts, examples)
+
+
+def test_control_a_view_argument_compiles_a_second_graph():
+    """What keeps step 1 at one graph per function: a graph compiled for a view
+    argument guards the view's base, so the same elementwise function called with a
+    view and then with a fresh tensor of the same shape is compiled twice (the
+    unrolled step passes no views)."""
+    from eagle3fn.draft import rms_norm
+
+    x, w = torch.randn(2, 6, 8), torch.randn(8)
+    with compile_on_cpu("eager"), RecompileCounter(keep=4) as counter:
+        torch._dynamo.reset()
+        rms_norm(x.flatten(0, 1), w, 1e-6)  # a view of x
+        rms_norm(x.flatten(0, 1), w, 1e-6)
+        assert counter.count == 0
+        rms_norm(x.flatten(0, 1).clone(), w, 1e-6)  # fresh
+    assert counter.count == 1, counter.examples
 
 
 def test_control_static_flex_recompiles(workdir, tmp_path, monkeypatch):

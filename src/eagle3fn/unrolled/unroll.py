@@ -108,14 +108,16 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
     positions = features.positions
     if positions is None:
         positions = torch.arange(features.input_ids.shape[1], device=ids_next.device).expand(B, -1)
-    pos_flat = positions[:, :C].reshape(-1)
+    # The compiled elementwise functions see no views at step 0 and none at later steps:
+    # dynamo guards a view's base, so a view at one step and not at another would
+    # compile each function twice (longer warm-up, same values).
+    pos_flat = positions[:, :C].flatten().clone()
     valid = features.attention_mask[:, :C].bool()
-    g_all = draft.project(features.aux[:, :C]).flatten(0, 1)  # [B*C, H]
+    g_all = draft.project(features.aux[:, :C].flatten(0, 1))  # [B*C, H]
     heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
 
     def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
-        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.d, g_all.dtype, fused)
-        return cos[:, None], sin[:, None]
+        return rope_cos_sin(positions[:, None], cfg.rope, cfg.d, g_all.dtype, fused)
 
     def take(x, idx):  # rows idx of x (None: all); index_select's backward is one
         return x if idx is None else x.index_select(0, idx)  # index_add, not a sort
