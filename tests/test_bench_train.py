@@ -113,6 +113,8 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
         assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
+        if key[1] != "specforge":  # the eagle3fn process's warm-up profile
+            assert isinstance(r["compile_profile"], dict) and len(r["warmup_step_s"]) == 1, key
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
     # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
     from eagle3fn.train.metrics import read_metrics
@@ -155,6 +157,18 @@ def test_recompiles_and_graphs_are_counted(bench):
         assert counter.limit_hits >= 1
     finally:
         counter.close()
+
+
+def test_compile_profile_sums_dynamo_phases():
+    """The warm-up profile grows by the time a new compilation takes, and names only
+    the reported phases."""
+    probe = load_benchmark("train_probe")
+    before = probe.compile_profile()
+    f = torch.compile(lambda x: (x.sin() * 2).cos(), backend="eager", dynamic=False)
+    f(torch.ones(7))
+    after = probe.compile_profile()
+    assert set(after) <= set(probe.COMPILE_PHASES)
+    assert after["_compile.compile_inner"] > before.get("_compile.compile_inner", 0.0)
 
 
 def test_gpu_sampler_averages_its_window(bench, tmp_path, monkeypatch):

@@ -211,8 +211,9 @@ def test_sequence_parallel_flex_blocks_memory_is_linear():
 
 
 PACK_DOCS = (300, 180, 410, 95, 260, 512, 130, 77, 350, 201)
-"""Ten conversations; first-fit into rows of 1024: [300, 180, 410, 95], [260, 512, 130, 77],
-[350, 201] (three rows with padding, documents across flex blocks)."""
+"""Ten conversations; packed into rows of 1024 by ``io.packing.plan_rows`` (best fit,
+longest first): [512, 410, 95], [350, 300, 260, 77], [201, 180, 130] (three rows with
+padding, documents across flex blocks)."""
 
 
 @pytest.fixture(scope="module")

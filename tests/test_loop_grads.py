@@ -196,7 +196,7 @@ def test_data_parallel_token_mean(spawned, online):
 
 
 def test_data_parallel_packed_token_mean(spawned, online):
-    """dp-2 with --pack (SPEC 9): the 8 conversations packed first-fit into 4 rows of 160,
+    """dp-2 with --pack (SPEC 9): the 8 conversations packed (``io.packing.plan_rows``) into 4 rows of 160,
     two rows per micro-batch, one micro-batch per rank: the gradient of all 8
     conversations as one unpacked batch. Control: half of them (one rank's share)."""
     runs, got = spawned
