@@ -67,6 +67,7 @@ def recompiles_per_step(workdir, out, monkeypatch, **kw) -> tuple[list[int], lis
                                 draft_vocab_size=64, batch_size=4, epochs=1, ttt_length=3, lr=1e-3,
                                 device="cpu", save_every=1000, ttt=TTTOptions(attention="flex")), **kw})
     counts = []
+    torch._dynamo.reset()  # what earlier tests of this process compiled (other dtypes) is not this run's
     with compile_on_cpu("eager"), RecompileCounter(keep=8) as counter:
         train(cfg, log=lambda s: None, on_step=lambda step: counts.append(counter.count))
     return counts, counter.examples, queries, keys
