@@ -34,21 +34,12 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).parent))
 from meta import run_metadata  # noqa: E402
-from train_data import PROFILES, sample_conversations, write_jsonl  # noqa: E402
+from train_data import PROFILES, DataArgs, sample_conversations, write_jsonl  # noqa: E402
 from train_target import SHAPES, word_tokenizer  # noqa: E402
 
 
 @dataclass(kw_only=True)
-class Args:
-    shape: str = "llama-3.1-8b"
-    """A ``train_target.SHAPES`` entry: target hidden size, vocab, max length."""
-    profile: str = "prompt-heavy"
-    """A ``train_data.PROFILES`` entry."""
-    conversations: int = 320
-    """Conversations (benchmarks/train.py: --steps 80 x --batch-size 4)."""
-    batch_size: int = 4
-    """Conversations per shard (prepare --batch-size)."""
-    seed: int = 0
+class Args(DataArgs):
     check_shards: int = 8
     """Shards written for real to check the estimate against files."""
     check_hidden: int = 64

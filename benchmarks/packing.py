@@ -46,26 +46,17 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).parent))
 from meta import run_metadata  # noqa: E402
-from train_data import PROFILES, padding_fraction, sample_conversations, write_jsonl  # noqa: E402
+from train_data import PROFILES, DataArgs, padding_fraction, sample_conversations, write_jsonl  # noqa: E402
 from train_target import SHAPES, word_tokenizer  # noqa: E402
 
 
 @dataclass(kw_only=True)
-class Args:
-    shape: str = "llama-3.1-8b"
-    """A ``train_target.SHAPES`` entry: its max length and length scale."""
-    profile: str = "prompt-heavy"
-    """A ``train_data.PROFILES`` entry."""
-    conversations: int = 320
-    """Conversations (benchmarks/train.py: --steps 80 x --batch-size 4)."""
-    batch_size: int = 4
-    """Rows of max length per batch, and conversations per cache shard (prepare --batch-size)."""
+class Args(DataArgs):
     pack_lengths: tuple[int, ...] = (2048, 4096, 8192)
     """Row lengths N (each >= the max length; scaled with the shape: ``tiny`` uses
     rows of 128, 256, 512 when left at the default)."""
     windows: tuple[int, ...] = (32, 128, 512)
     """Packing windows W (``--pack-window``); the library default is always included."""
-    seed: int = 0
     out: str = "packing.json"
 
 

@@ -49,6 +49,22 @@ PROFILES = {
 }
 
 
+@dataclass(kw_only=True)
+class DataArgs:
+    """The settings of benchmarks/train.py's chat set that the CPU data benchmarks
+    (cache_size.py, packing.py) share; each adds its own."""
+
+    shape: str = "llama-3.1-8b"
+    """A ``train_target.SHAPES`` entry: its hidden size, vocab, max length and length scale."""
+    profile: str = "prompt-heavy"
+    """A ``train_data.PROFILES`` entry."""
+    conversations: int = 320
+    """Conversations (benchmarks/train.py: --steps 80 x --batch-size 4)."""
+    batch_size: int = 4
+    """Conversations per cache shard (prepare --batch-size); packed, rows of max length per batch."""
+    seed: int = 0
+
+
 def _lognormal(rng, mean: float, sd: float, size: int):
     """Log-normal draws with the given mean and sd."""
     s2 = math.log1p((sd / mean) ** 2)

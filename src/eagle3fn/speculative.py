@@ -994,16 +994,23 @@ def _emit(new: list[list[int]], accepted: list[list[int]], rows: list[int], host
                 break
 
 
+def _setup(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor],
+           draft_cfg: DraftConfig, prompts: list[torch.Tensor], cfg: SpecConfig):
+    """What both implementations start from: ``(k, temperature, the target's device,
+    EOS ids, one generator per prompt seeded cfg.seed + i, the target's token picker,
+    the draft as a module)``."""
+    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
+    return (cfg.num_draft_tokens, cfg.temperature, target.lm_head.weight.device,
+            _eos_ids(target, tokenizer_or_none), generators, _picker(cfg.temperature, generators),
+            _Draft(draft_params, draft_cfg))
+
+
 def _generate_dynamic(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage):
     """``generate`` with ``impl="dynamic"``."""
     from transformers import DynamicCache
 
-    k, temperature = cfg.num_draft_tokens, cfg.temperature
-    device = target.lm_head.weight.device
-    eos = _eos_ids(target, tokenizer_or_none)
-    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
-    pick = _picker(temperature, generators)
-    draft = _Draft(draft_params, draft_cfg)
+    k, temperature, device, eos, generators, pick, draft = _setup(target, tokenizer_or_none, draft_params,
+                                                                  draft_cfg, prompts, cfg)
     rows = list(range(len(prompts)))
     new: list[list[int]] = [[] for _ in rows]
     accepted: list[list[int]] = [[] for _ in rows]
@@ -1074,12 +1081,8 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
     compaction) is the same code."""
     from transformers import DynamicCache
 
-    k, temperature = cfg.num_draft_tokens, cfg.temperature
-    device = target.lm_head.weight.device
-    eos = _eos_ids(target, tokenizer_or_none)
-    generators = [torch.Generator().manual_seed(cfg.seed + i) for i in range(len(prompts))]
-    pick = _picker(temperature, generators)
-    draft = _Draft(draft_params, draft_cfg)
+    k, temperature, device, eos, generators, pick, draft = _setup(target, tokenizer_or_none, draft_params,
+                                                                  draft_cfg, prompts, cfg)
     B = len(prompts)
     rows = list(range(B))
     new: list[list[int]] = [[] for _ in rows]
