@@ -4,6 +4,8 @@ import os
 
 # Must be set before any @triton.jit runs (CI has no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# What deterministic cuBLAS needs on CUDA >= 10.2 (tests/test_gpu.py); no effect on a CPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
