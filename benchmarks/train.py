@@ -151,8 +151,8 @@ from typing import Literal
 
 from train_data import (PROFILES, data_summary, padding_fraction, sample_conversations, step_batches,  # noqa: F401
                         write_jsonl)
-from train_probe import (BENCH_DIR, METHODS, ROOT, GpuSampler, RecompileCounter, _python,  # noqa: F401
-                         matmul_tflops, probe, run_eagle3fn, run_prepare, step_flops, summarise)
+from train_probe import (BENCH_DIR, METHODS, PROFILE_STEP_ENV, ROOT, GpuSampler, RecompileCounter,  # noqa: F401
+                         _python, matmul_tflops, probe, run_eagle3fn, run_prepare, step_flops, summarise)
 from train_specforge import specforge_loop
 from train_target import FIRST_WORD, SHAPES, Shape, build_target, word_tokenizer  # noqa: F401
 
@@ -213,6 +213,11 @@ class BenchArgs:
     warm_compile_cache: bool = False
     """Let runs share inductor's and Triton's on-disk caches (default: each run starts
     with empty ones, so its warm-up includes every compilation, as a user's first run)."""
+    profile_step: int = 0
+    """Run this optimizer step (1-based) of every eagle3fn run under torch.profiler and
+    report where its wall time went (``profile``: device busy time, kernel launches,
+    ATen calls, top events; ``train_probe.profiled``). 0: none. The profiler slows that
+    step, so pick one inside the warm-up window (e.g. its last) to keep the rates clean."""
     out: str | None = None
     """Write the results here as JSON (rewritten after every run)."""
 
@@ -356,7 +361,9 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
     try:
         record, launched, sampler = run_eagle3fn(argv, log=bench.work / "logs" / f"{name}.log",
                                                  record=bench.work / "logs" / f"{name}.json", gpu=bench.gpu,
-                                                 smi_ms=bench.args.smi_period_ms, env=bench.compile_env(name))
+                                                 smi_ms=bench.args.smi_period_ms,
+                                                 env={**bench.compile_env(name),
+                                                      PROFILE_STEP_ENV: str(bench.args.profile_step)})
         steps = record["steps"]
         expected = [sum(len(e) for e in b) for b in bench.batches]
         match = [s["tokens"] for s in steps] == expected[:len(steps)]
@@ -365,7 +372,7 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
         row.update(summarise(steps, warmup=bench.args.warmup_steps, launched=launched,
                              ceiling_tflops=bench.ceiling, floors=floors, before=record.get("before_first_step")),
                    batches_match=match, recompile_examples=record["recompile_examples"],
-                   compile_profile=record.get("compile_profile"),
+                   compile_profile=record.get("compile_profile"), profile=record.get("profile"),
                    warmup_step_s=[round(s["t_end"] - s["t_start"], 2) for s in steps[:bench.args.warmup_steps]])
         if loop == "online":  # the loop reads no cache
             row.pop("input_wait_frac")

@@ -139,6 +139,8 @@ def probe(record_path: str, argv: list[str]) -> None:
             return seconds
         return take_wait
 
+    profile_at = int(os.environ.get(PROFILE_STEP_ENV, "0"))
+
     def optimizer_step(run, order, **kwargs):
         if not record["steps"] and torch.cuda.is_initialized():
             record["before_first_step"] = {"peak": torch.cuda.max_memory_allocated(),
@@ -147,7 +149,11 @@ def probe(record_path: str, argv: list[str]) -> None:
             torch.cuda.reset_peak_memory_stats()
         acc.update(padded=0)
         t = time.time()
-        result = real_step(run, order, **kwargs)
+        if len(record["steps"]) + 1 == profile_at:
+            result, record["profile"] = profiled(lambda: real_step(run, order, **kwargs))
+            record["profile"]["step"] = profile_at
+        else:
+            result = real_step(run, order, **kwargs)
         record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=0.0))
         return result
 
@@ -160,6 +166,48 @@ def probe(record_path: str, argv: list[str]) -> None:
         record["recompile_examples"] = recompiles.examples
         record["compile_profile"] = compile_profile()
         Path(record_path).write_text(json.dumps(record))
+
+
+#: environment variable: the optimizer step (1-based) ``probe`` runs under torch.profiler
+PROFILE_STEP_ENV = "EAGLE3FN_PROBE_PROFILE_STEP"
+#: CPU-side calls that launch a device kernel (CUDA runtime and driver APIs)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def profiled(fn, top: int = 12) -> tuple[object, dict]:
+    """``fn()`` under torch.profiler (CPU, and CUDA when available), synchronised at both
+    ends: ``(its result, summary)``. The summary says where one step's wall time goes:
+    ``wall_ms``; ``device_ms``, the sum of the device's self times (kernels and copies;
+    0 on a CPU) and ``device_frac = device_ms / wall_ms``, the busy fraction nvidia-smi
+    estimates; ``launches`` (kernel launches, graph launches, async copies and memsets
+    from the host); ``aten_ops`` (ATen operator calls, nested ones included); and the
+    ``top`` events by self device time and by self CPU time (name, calls, ms)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - t)
+    events = prof.key_averages()
+
+    def rows(key):
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+        return [{"name": e.key[:120], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
+                for e in ranked if getattr(e, key) > 0]
+    device_ms = sum(e.self_device_time_total for e in events) / 1e3
+    return result, {"wall_ms": round(wall_ms, 2), "device_ms": round(device_ms, 2),
+                    "device_frac": round(device_ms / wall_ms, 4) if wall_ms else None,
+                    "launches": sum(e.count for e in events if e.key in LAUNCH_CALLS),
+                    "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+                    "top_self_device": rows("self_device_time_total"),
+                    "top_self_cpu": rows("self_cpu_time_total")}
 
 
 #: dynamo/inductor phases ``compile_profile`` reports (the rest are their parts)
@@ -289,6 +337,9 @@ METHODS = {
                        "input_wait_s) / steady window s",
     "compile_profile": "s the eagle3fn process spent in dynamo/inductor compile phases, summed over every "
                        "compilation (torch._dynamo.utils.compile_times, aggregated)",
+    "profile": "with --profile-step K: step K under torch.profiler (train_probe.profiled): wall_ms, device_ms "
+               "(sum of the device's self times; device_frac = device_ms / wall_ms), launches (host-side kernel, "
+               "graph, copy and memset launches), aten_ops, the top events by self device and self CPU time",
     "warmup_step_s": "wall s of each warm-up step (device-synced), compilation included",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }

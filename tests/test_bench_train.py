@@ -83,7 +83,7 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out.json"
     args = bench.BenchArgs(shape="tiny", device="cpu", loops=("online", "offline"), modes=("loss",), steps=3,
                            warmup_steps=1, batch_size=2, max_length=64, length_scale=1 / 32,
-                           work_dir=str(work), out=str(out), packs=(False, True))
+                           work_dir=str(work), out=str(out), packs=(False, True), profile_step=1)
     try:
         result = bench.main(args)
     finally:
@@ -113,8 +113,11 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
         assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
-        if key[1] != "specforge":  # the eagle3fn process's warm-up profile
+        if key[1] != "specforge":  # the eagle3fn process's warm-up profile, and step 1 under the profiler
             assert isinstance(r["compile_profile"], dict) and len(r["warmup_step_s"]) == 1, key
+            p = r["profile"]
+            assert p["step"] == 1 and p["wall_ms"] > 0 and p["aten_ops"] > 100, (key, p)
+            assert p["device_ms"] == 0 and p["launches"] == 0 and p["top_self_cpu"], (key, p)  # a CPU
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
     # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
     from eagle3fn.train.metrics import read_metrics
@@ -169,6 +172,18 @@ def test_compile_profile_sums_dynamo_phases():
     after = probe.compile_profile()
     assert set(after) <= set(probe.COMPILE_PHASES)
     assert after["_compile.compile_inner"] > before.get("_compile.compile_inner", 0.0)
+
+
+def test_profiled_counts_what_ran():
+    """``profiled`` returns the function's result and counts its ATen calls: more
+    matmuls, more calls (control: the same summary of a function doing less)."""
+    probe = load_benchmark("train_probe")
+    x = torch.randn(8, 8)
+    few, small = probe.profiled(lambda: x @ x)
+    many, large = probe.profiled(lambda: [x @ x for _ in range(20)][-1])
+    assert torch.equal(few, x @ x) and torch.equal(many, x @ x)
+    assert large["aten_ops"] >= small["aten_ops"] + 19 and small["aten_ops"] >= 1
+    assert any("mm" in e["name"] for e in large["top_self_cpu"]) and large["wall_ms"] > 0
 
 
 def test_gpu_sampler_averages_its_window(bench, tmp_path, monkeypatch):
