@@ -1005,6 +1005,16 @@ def _setup(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch
             _Draft(draft_params, draft_cfg))
 
 
+def _live(rows: list[int], new: list[list[int]], cfg: SpecConfig, eos: set[int], stage) -> list[int]:
+    """Positions in ``rows`` of the prompts still decoding (fewer than
+    ``max_new_tokens`` new tokens, the last not an EOS); a round is counted in
+    ``stage.times`` when any is."""
+    live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+    if live and stage.times is not None:
+        stage.times.rounds += 1
+    return live
+
+
 def _generate_dynamic(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage):
     """``generate`` with ``impl="dynamic"``."""
     from transformers import DynamicCache
@@ -1030,11 +1040,9 @@ def _generate_dynamic(target, tokenizer_or_none, draft_params, draft_cfg, d2t, p
         new[b].append(t)
     steps = torch.arange(k + 1, device=device)
     while True:
-        live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+        live = _live(rows, new, cfg, eos, stage)
         if not live:
             break
-        if stage.times is not None:
-            stage.times.rounds += 1
         if len(live) < len(rows):  # finished rows leave both caches
             index = torch.tensor(live, device=device)
             dindex = index.to(draft.device)
@@ -1110,11 +1118,9 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
     steps = torch.arange(k + 1, device=device)
     live_rows = None  # the live rows' indices into the buffers; None: all
     while True:
-        live = [i for i, r in enumerate(rows) if len(new[r]) < cfg.max_new_tokens and new[r][-1] not in eos]
+        live = _live(rows, new, cfg, eos, stage)
         if not live:
             break
-        if stage.times is not None:
-            stage.times.rounds += 1
         if len(live) < len(rows):  # finished rows leave the target's cache, keep their draft rows
             index = torch.tensor(live, device=device)
             cache.batch_select_indices(index)

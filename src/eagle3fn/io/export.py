@@ -176,13 +176,8 @@ def export_draft(
         convention) and RoPE fields the engines lack. Raises ValueError for a draft
         trained with ``norm_output=False`` (no engine computes it: ``check_servable``).
     """
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
-    check_servable(cfg)
-    text = _text_config(target_config)
-    ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
-    tensors = _checked_params(params, cfg, text, d2t, t2d)
-    _warn_where_engines_differ(cfg, ids)
+    _check_servable_dtype(cfg, dtype)
+    text, ids, tensors = _checked_export(params, cfg, d2t, t2d, aux_layer_ids, target_config)
     config = draft_config_dict(cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype)
     return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
 
@@ -238,9 +233,7 @@ def export_speculators(
     width differs from the target's (its ``fc`` and ``fc_norm`` take ``3*H``), and
     ``norm_output=False`` (``check_servable``); and for ``export_draft``'s mismatches.
     """
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
-    check_servable(cfg)
+    _check_servable_dtype(cfg, dtype)
     if not target_path:
         raise ValueError("target_path is empty: speculators' from_pretrained reads the "
                          "target (verifier) from there; pass the target's name or path")
@@ -253,12 +246,9 @@ def export_speculators(
         raise ValueError(
             "params lack embed_tokens.weight: the speculators layout ships the target's "
             "embedding; pass the run's parameters (the training copy of it)")
-    text = _text_config(target_config)
-    ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
-    tensors = _checked_params(params, cfg, text, d2t, t2d)
+    text, ids, tensors = _checked_export(params, cfg, d2t, t2d, aux_layer_ids, target_config)
     tensors[EMBEDDING] = params[EMBEDDING]
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
-    _warn_where_engines_differ(cfg, ids)
     dtype_name = str(dtype).removeprefix("torch.")
     layer = {k: v for k, v in draft_config_dict(
         cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype).items()
@@ -291,6 +281,26 @@ def export_speculators(
         },
     }
     return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
+
+
+def _check_servable_dtype(cfg: DraftConfig, dtype: torch.dtype) -> None:
+    """ValueError for a weight dtype not in ``_DTYPES`` or a draft no engine computes
+    (``check_servable``): the checks both export layouts make first."""
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+    check_servable(cfg)
+
+
+def _checked_export(params: dict[str, torch.Tensor], cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
+                    aux_layer_ids: tuple[int, int, int], target_config: dict | None):
+    """What both export layouts write, checked: ``(the target's text config, the aux
+    ids, the tensors to export)`` (``_checked_params``), warning where the engines
+    differ (``_warn_where_engines_differ``)."""
+    text = _text_config(target_config)
+    ids = _check_aux_ids(aux_layer_ids, text.get("num_hidden_layers"))
+    tensors = _checked_params(params, cfg, text, d2t, t2d)
+    _warn_where_engines_differ(cfg, ids)
+    return text, ids, tensors
 
 
 def _checked_params(params: dict[str, torch.Tensor], cfg: DraftConfig, text: dict, d2t: torch.Tensor,
