@@ -151,7 +151,7 @@ from typing import Literal
 
 from train_data import (PROFILES, data_summary, padding_fraction, sample_conversations, step_batches,  # noqa: F401
                         write_jsonl)
-from train_probe import (BENCH_DIR, METHODS, PROFILE_STEP_ENV, ROOT, GpuSampler, RecompileCounter,  # noqa: F401
+from train_probe import (BENCH_DIR, METHODS, PROFILE_STEP_ENV, ROOT, TRACE_ENV, GpuSampler, RecompileCounter,  # noqa: F401
                          _python, matmul_tflops, probe, run_eagle3fn, run_prepare, step_flops, summarise)
 from train_specforge import specforge_loop
 from train_target import FIRST_WORD, SHAPES, Shape, build_target, word_tokenizer  # noqa: F401
@@ -218,6 +218,10 @@ class BenchArgs:
     report where its wall time went (``profile``: device busy time, kernel launches,
     ATen calls, top events; ``train_probe.profiled``). 0: none. The profiler slows that
     step, so pick one inside the warm-up window (e.g. its last) to keep the rates clean."""
+    trace_dir: str | None = None
+    """With ``--profile-step``: also write each run's profiled step as a gzipped Chrome
+    trace ``<trace-dir>/<loop>-<mode>.trace.json.gz`` (for chrome://tracing or Perfetto:
+    the gaps between kernels are the host time)."""
     out: str | None = None
     """Write the results here as JSON (rewritten after every run)."""
 
@@ -347,6 +351,14 @@ def per_token_floors(bench: Bench, loop: str, steps: list[dict]) -> list[tuple[f
     return [(dense * s["tokens"], trimmed * s["tokens"]) for s in steps]
 
 
+def _trace_path(bench: Bench, name: str) -> str:
+    """Where a run's profiled step goes as a Chrome trace ("" for none: ``--trace-dir``)."""
+    if not bench.args.trace_dir or not bench.args.profile_step:
+        return ""
+    Path(bench.args.trace_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(bench.args.trace_dir) / f"{name}.trace.json.gz")
+
+
 def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False) -> dict:
     """One ``eagle3fn train`` run under ``probe``, summarised (``error`` when it failed).
     Its metrics.jsonl and log stay in ``work/logs``; its out_dir (checkpoints) is removed."""
@@ -363,7 +375,8 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
                                                  record=bench.work / "logs" / f"{name}.json", gpu=bench.gpu,
                                                  smi_ms=bench.args.smi_period_ms,
                                                  env={**bench.compile_env(name),
-                                                      PROFILE_STEP_ENV: str(bench.args.profile_step)})
+                                                      PROFILE_STEP_ENV: str(bench.args.profile_step),
+                                                      TRACE_ENV: _trace_path(bench, name)})
         steps = record["steps"]
         expected = [sum(len(e) for e in b) for b in bench.batches]
         match = [s["tokens"] for s in steps] == expected[:len(steps)]

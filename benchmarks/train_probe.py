@@ -150,7 +150,8 @@ def probe(record_path: str, argv: list[str]) -> None:
         acc.update(padded=0)
         t = time.time()
         if len(record["steps"]) + 1 == profile_at:
-            result, record["profile"] = profiled(lambda: real_step(run, order, **kwargs))
+            result, record["profile"] = profiled(lambda: real_step(run, order, **kwargs),
+                                                 trace=os.environ.get(TRACE_ENV) or None)
             record["profile"]["step"] = profile_at
         else:
             result = real_step(run, order, **kwargs)
@@ -170,19 +171,23 @@ def probe(record_path: str, argv: list[str]) -> None:
 
 #: environment variable: the optimizer step (1-based) ``probe`` runs under torch.profiler
 PROFILE_STEP_ENV = "EAGLE3FN_PROBE_PROFILE_STEP"
+#: environment variable: where ``probe`` writes the profiled step's Chrome trace (.json.gz)
+TRACE_ENV = "EAGLE3FN_PROBE_TRACE"
 #: CPU-side calls that launch a device kernel (CUDA runtime and driver APIs)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
-def profiled(fn, top: int = 12) -> tuple[object, dict]:
+def profiled(fn, top: int = 12, trace: str | None = None) -> tuple[object, dict]:
     """``fn()`` under torch.profiler (CPU, and CUDA when available), synchronised at both
     ends: ``(its result, summary)``. The summary says where one step's wall time goes:
     ``wall_ms``; ``device_ms``, the sum of the device's self times (kernels and copies;
     0 on a CPU) and ``device_frac = device_ms / wall_ms``, the busy fraction nvidia-smi
     estimates; ``launches`` (kernel launches, graph launches, async copies and memsets
     from the host); ``aten_ops`` (ATen operator calls, nested ones included); and the
-    ``top`` events by self device time and by self CPU time (name, calls, ms)."""
+    ``top`` events by self device time and by self CPU time (name, calls, ms). With
+    ``trace`` (a path ending in .json.gz), the step's timeline is also written there as
+    a gzipped Chrome trace."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -195,6 +200,16 @@ def profiled(fn, top: int = 12) -> tuple[object, dict]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall_ms = 1e3 * (time.perf_counter() - t)
+    if trace:
+        import gzip
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(plain))
+            with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     events = prof.key_averages()
 
     def rows(key):

@@ -174,13 +174,18 @@ def test_compile_profile_sums_dynamo_phases():
     assert after["_compile.compile_inner"] > before.get("_compile.compile_inner", 0.0)
 
 
-def test_profiled_counts_what_ran():
+def test_profiled_counts_what_ran(tmp_path):
     """``profiled`` returns the function's result and counts its ATen calls: more
-    matmuls, more calls (control: the same summary of a function doing less)."""
+    matmuls, more calls (control: the same summary of a function doing less); with
+    ``trace`` it writes the timeline as a gzipped Chrome trace holding those calls."""
+    import gzip
+
     probe = load_benchmark("train_probe")
     x = torch.randn(8, 8)
     few, small = probe.profiled(lambda: x @ x)
-    many, large = probe.profiled(lambda: [x @ x for _ in range(20)][-1])
+    many, large = probe.profiled(lambda: [x @ x for _ in range(20)][-1], trace=str(tmp_path / "t.json.gz"))
+    events = json.loads(gzip.open(tmp_path / "t.json.gz").read())["traceEvents"]
+    assert sum(e.get("name") == "aten::mm" for e in events) == 20
     assert torch.equal(few, x @ x) and torch.equal(many, x @ x)
     assert large["aten_ops"] >= small["aten_ops"] + 19 and small["aten_ops"] >= 1
     assert any("mm" in e["name"] for e in large["top_self_cpu"]) and large["wall_ms"] > 0
