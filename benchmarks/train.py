@@ -216,11 +216,13 @@ class BenchArgs:
     profile_step: int = 0
     """Run this optimizer step (1-based) of every eagle3fn run under torch.profiler and
     report where its wall time went (``profile``: device busy time, kernel launches,
-    ATen calls, top events; ``train_probe.profiled``). 0: none. The profiler slows that
-    step, so pick one inside the warm-up window (e.g. its last) to keep the rates clean."""
+    ATen calls, top events; ``train_probe.profiled``), and the step before it with CUDA's
+    synchronisation debug mode (``sync_sites``: the call stacks where the host waited
+    for the device; ``train_probe.sync_sites``). 0: none. Both slow their steps, so pick
+    the warm-up window's last step to keep the rates clean."""
     trace_dir: str | None = None
     """With ``--profile-step``: also write each run's profiled step as a gzipped Chrome
-    trace ``<trace-dir>/<loop>-<mode>.trace.json.gz`` (for chrome://tracing or Perfetto:
+    trace ``<trace-dir>/<loop>-<mode>.trace.json.gz``, ``+`` written ``_`` (for chrome://tracing or Perfetto:
     the gaps between kernels are the host time)."""
     out: str | None = None
     """Write the results here as JSON (rewritten after every run)."""
@@ -228,7 +230,7 @@ class BenchArgs:
 
 def resolved_args(args: BenchArgs, shape: Shape, work: Path) -> dict:
     """``args`` as the run used them (no None, for ``meta.run_metadata``)."""
-    out = {k: v for k, v in asdict(args).items() if not (k == "out" and v is None)}
+    out = {k: v for k, v in asdict(args).items() if not (k in ("out", "trace_dir") and v is None)}
     out.update(work_dir=str(work), length_scale=shape.length_scale, max_length=shape.max_length,
                draft_vocab_size=shape.draft_vocab)
     return out
@@ -356,7 +358,7 @@ def _trace_path(bench: Bench, name: str) -> str:
     if not bench.args.trace_dir or not bench.args.profile_step:
         return ""
     Path(bench.args.trace_dir).mkdir(parents=True, exist_ok=True)
-    return str(Path(bench.args.trace_dir) / f"{name}.trace.json.gz")
+    return str(Path(bench.args.trace_dir) / f"{name.replace('+', '_')}.trace.json.gz")
 
 
 def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False) -> dict:
@@ -386,6 +388,7 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
                              ceiling_tflops=bench.ceiling, floors=floors, before=record.get("before_first_step")),
                    batches_match=match, recompile_examples=record["recompile_examples"],
                    compile_profile=record.get("compile_profile"), profile=record.get("profile"),
+                   sync_sites=record.get("sync_sites"),
                    warmup_step_s=[round(s["t_end"] - s["t_start"], 2) for s in steps[:bench.args.warmup_steps]])
         if loop == "online":  # the loop reads no cache
             row.pop("input_wait_frac")

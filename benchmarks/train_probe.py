@@ -153,6 +153,8 @@ def probe(record_path: str, argv: list[str]) -> None:
             result, record["profile"] = profiled(lambda: real_step(run, order, **kwargs),
                                                  trace=os.environ.get(TRACE_ENV) or None)
             record["profile"]["step"] = profile_at
+        elif len(record["steps"]) + 2 == profile_at:  # the step before: where the host waits
+            result, record["sync_sites"] = sync_sites(lambda: real_step(run, order, **kwargs))
         else:
             result = real_step(run, order, **kwargs)
         record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=0.0))
@@ -216,13 +218,67 @@ def profiled(fn, top: int = 12, trace: str | None = None) -> tuple[object, dict]
         ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
         return [{"name": e.key[:120], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
                 for e in ranked if getattr(e, key) > 0]
-    device_ms = sum(e.self_device_time_total for e in events) / 1e3
+    # the device's own events (kernels, copies, memsets) only: an ATen operator's
+    # self device time is its kernels' again
+    device_ms = sum(e.self_device_time_total for e in events
+                    if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3
     return result, {"wall_ms": round(wall_ms, 2), "device_ms": round(device_ms, 2),
                     "device_frac": round(device_ms / wall_ms, 4) if wall_ms else None,
                     "launches": sum(e.count for e in events if e.key in LAUNCH_CALLS),
                     "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
                     "top_self_device": rows("self_device_time_total"),
                     "top_self_cpu": rows("self_cpu_time_total")}
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""The start of the warning ``torch.cuda.set_sync_debug_mode("warn")`` gives."""
+
+
+def sync_sites(fn, depth: int = 4) -> tuple[object, list[dict]]:
+    """``fn()`` with CUDA's synchronisation debug mode on ("warn"): ``(its result,
+    sites)``, where each site is one distinct call stack (its innermost ``depth``
+    frames, as ``file:line function``) that made the host wait for the device, with
+    how many times it did (``count``), most frequent first. Those waits are the
+    host-side syncs of a step: each drains the launch queue, leaving the GPU idle
+    while the host launches again. Without CUDA, only warnings ``fn`` itself gives
+    are counted."""
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: dict[str, int] = {}
+    real_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not str(message).startswith(SYNC_WARNING):
+            return real_show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename][-depth:]
+        key = " < ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+        sites[key] = sites.get(key, 0) + 1
+
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
+    return result, [{"site": k, "count": v} for k, v in ranked]
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package on (``eagle3fn/...``, ``transformers/...``)."""
+    parts = Path(filename).parts
+    for anchor in ("site-packages", "src", "benchmarks"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(anchor):])
+    return "/".join(parts[-2:])
 
 
 #: dynamo/inductor phases ``compile_profile`` reports (the rest are their parts)

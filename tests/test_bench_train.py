@@ -83,7 +83,8 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out.json"
     args = bench.BenchArgs(shape="tiny", device="cpu", loops=("online", "offline"), modes=("loss",), steps=3,
                            warmup_steps=1, batch_size=2, max_length=64, length_scale=1 / 32,
-                           work_dir=str(work), out=str(out), packs=(False, True), profile_step=1)
+                           work_dir=str(work), out=str(out), packs=(False, True), profile_step=2,
+                           trace_dir=str(tmp_path / "traces"))
     try:
         result = bench.main(args)
     finally:
@@ -113,10 +114,12 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
         assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
-        if key[1] != "specforge":  # the eagle3fn process's warm-up profile, and step 1 under the profiler
+        if key[1] != "specforge":  # the eagle3fn process's warm-up profile, step 2 under the profiler
             assert isinstance(r["compile_profile"], dict) and len(r["warmup_step_s"]) == 1, key
+            assert r["sync_sites"] == [], key  # step 1 under CUDA's sync debug mode: none on a CPU
             p = r["profile"]
-            assert p["step"] == 1 and p["wall_ms"] > 0 and p["aten_ops"] > 100, (key, p)
+            assert (tmp_path / "traces" / f"{key[0]}-{key[1]}.trace.json.gz").stat().st_size > 1000
+            assert p["step"] == 2 and p["wall_ms"] > 0 and p["aten_ops"] > 100, (key, p)
             assert p["device_ms"] == 0 and p["launches"] == 0 and p["top_self_cpu"], (key, p)  # a CPU
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
     # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
@@ -209,3 +212,31 @@ def test_gpu_sampler_averages_its_window(bench, tmp_path, monkeypatch):
     assert window["gpu_busy_pct"] == 50 and window["smi_samples"] == 4
     assert window["smi_peak_used_gib"] == pytest.approx(80 * 64 / 1024)
     assert sampler.window(t0 - 100, t0 - 50)["gpu_busy_pct"] is None
+
+
+def test_sync_sites_groups_waits_by_call_stack():
+    """``sync_sites`` counts each distinct stack that gave the sync warning (here
+    raised by hand, as CUDA's debug mode does from the op) and lets other warnings
+    through; a site called three times counts 3 (control: one called once counts 1)."""
+    import warnings
+
+    probe = load_benchmark("train_probe")
+
+    def waits_here():
+        warnings.warn(probe.SYNC_WARNING + " (item)", UserWarning)
+
+    def waits_there():
+        warnings.warn(probe.SYNC_WARNING + " (nonzero)", UserWarning)
+
+    def step():
+        for _ in range(3):
+            waits_here()
+        waits_there()
+        warnings.warn("something else", UserWarning)
+        return 7
+
+    with pytest.warns(UserWarning, match="something else"):
+        result, sites = probe.sync_sites(step)
+    assert result == 7 and [s["count"] for s in sites] == [3, 1]
+    assert "waits_here" in sites[0]["site"] and "waits_there" in sites[1]["site"]
+    assert sites[0]["site"].startswith("tests/test_bench_train.py:") or "test_bench_train.py" in sites[0]["site"]
