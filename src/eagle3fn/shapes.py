@@ -66,6 +66,10 @@ class RowMap:
         batch_size: B.
         num_rows: C, own rows per sample.
         buffer_len: T, positions per sample in the local buffer.
+        host: ``HostRows`` or None: the same row map on the host, with the batch's
+            host masks, when it was built there and sent to the device
+            (``unrolled.rowmap_to_device``); ``ttt`` then plans its steps and checks
+            the teachers from it, without waiting for the device.
     """
 
     rows: tuple[torch.Tensor, ...]
@@ -78,11 +82,30 @@ class RowMap:
     batch_size: int
     num_rows: int
     buffer_len: int
+    host: HostRows | None = None
 
     @property
     def ttt_length(self) -> int:
         """k, the number of TTT steps."""
         return len(self.rows)
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """A device ``RowMap``'s host (CPU) twin and the host masks it was built from:
+    what the step's planning reads, so the host never waits for the device to learn
+    sizes and indices it already had (SPEC 6; ``unrolled.rowmap_to_device``).
+
+    Fields:
+        rowmap: the same ``RowMap`` with host tensors (its own ``host`` None).
+        lengths: int64 ``[B]``, real tokens among each sample's ``C`` own positions
+            (``attention_mask[:, :C].sum(1)``).
+        positions: int64 ``[B, T]`` or None, ``Features.positions`` on the host.
+    """
+
+    rowmap: RowMap
+    lengths: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ fp32 (fp64 when the inputs are fp64).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,27 @@ DEFAULT_CHUNK_SIZE = 32768
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+_BOUNDS: dict[int, tuple] = {}
+"""``_chunk_bounds``'s memo: ``id(t2d) -> (weakref to t2d, its version, chunk, bounds)``."""
+
+
+def _chunk_bounds(t2d: torch.Tensor, cum: torch.Tensor, chunk_size: int) -> list[int]:
+    """The draft ids of vocab chunk c are ``[bounds[c], bounds[c + 1])``: read from
+    ``cum = cumsum(t2d)`` on the host once per vocab map (a run's ``t2d`` is fixed), so
+    later batches make no host sync for it. The memo holds ``t2d`` weakly and checks its
+    identity and version, so a changed or new map is read again."""
+    V = t2d.shape[0]
+    hit = _BOUNDS.get(id(t2d))
+    if hit is not None and hit[0]() is t2d and hit[1:3] == (t2d._version, chunk_size):
+        return hit[3]
+    last = torch.arange(chunk_size - 1, V + chunk_size - 1, chunk_size, device=cum.device)
+    bounds = [0] + cum[last.clamp_max(V - 1)].tolist()
+    if len(_BOUNDS) > 64:
+        _BOUNDS.clear()
+    _BOUNDS[id(t2d)] = (weakref.ref(t2d), t2d._version, chunk_size, bounds)
+    return bounds
 
 
 def _check_t2d(t2d: torch.Tensor, vocab_size: int, what: str) -> None:
@@ -120,11 +143,10 @@ def teacher_table_from_hidden(
     dtype = _math_dtype(logits_dtype)
     device = hidden_UH.device
     # Draft ids are target ids in order, so the draft ids of chunk c are the range
-    # [bounds[c], bounds[c + 1]): one host read for the whole table (Vd sizes the
-    # allocation anyway), none in the loop, and no boolean-mask indexing (a GPU sync).
+    # [bounds[c], bounds[c + 1]): one host read per vocab map (Vd sizes the allocation
+    # anyway), none in the loop, and no boolean-mask indexing (a GPU sync).
     cum = torch.cumsum(t2d, dim=0)  # [V], draft ids at or before each target id
-    last = torch.arange(chunk_size - 1, V + chunk_size - 1, chunk_size, device=cum.device)
-    bounds = [0] + cum[last.clamp_max(V - 1)].tolist()
+    bounds = _chunk_bounds(t2d, cum, chunk_size)
     Vd = bounds[-1]
     draft_ids = torch.searchsorted(cum, torch.arange(1, Vd + 1, device=cum.device))  # [Vd]
     logits = torch.empty(U, Vd, dtype=logits_dtype, device=device)

@@ -10,7 +10,7 @@ from eagle3fn.align import supervised_mask
 from eagle3fn.parallel import Layout, all_reduce, collectives, shard_sequence
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.speculative import SpecConfig, acceptance_stats, generate
-from eagle3fn.train.sources import Source
+from eagle3fn.train.sources import HostMasks, Source, batch_rowmap
 from eagle3fn.unrolled import TTTConfig, ttt
 
 
@@ -32,9 +32,10 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
     loss, weight = 0.0, 0
     kl, acc, accept, rows = (torch.zeros(k, dtype=torch.float64) for _ in range(4))
     for item in source.items:
-        features, loss_mask = source.load(item)
-        supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
+        features, masks = source.load(item)
         if layout is not None and layout.sp > 1:
+            loss_mask = masks.loss_mask.to(features.input_ids.device) if isinstance(masks, HostMasks) else masks
+            supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
             features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank, k)
             rowmap = build_rowmap(supervised, k, num_rows=C)
             coll = collectives(layout, rowmap.denominator, features.input_ids.device, config.attention,
@@ -44,7 +45,7 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
             n = all_reduce(torch.tensor([r.numel() for r in rowmap.rows], dtype=torch.float64))
             denominator = float(coll.denominator)
         else:
-            rowmap = build_rowmap(supervised, k, positions=features.positions)
+            rowmap = batch_rowmap(features, masks, k)
             obj = ttt(params, features, rowmap, config, d2t=d2t, t2d=t2d)
             n = torch.tensor([r.numel() for r in rowmap.rows], dtype=torch.float64)
             denominator = rowmap.denominator

@@ -20,25 +20,66 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
+from eagle3fn.align import supervised_mask
 from eagle3fn.io.device import default_dtype
-from eagle3fn.shapes import Features
+from eagle3fn.rowmap import build_rowmap
+from eagle3fn.shapes import Features, RowMap
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.unrolled import rowmap_to_device
 
 _PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+class HostMasks(NamedTuple):
+    """A batch's masks on the host (CPU), as its source built them before any copy to
+    the device: the step builds its row map from them on the host and sends it once
+    (``unrolled.rowmap_to_device``), never waiting for the device to learn them.
+
+    Fields:
+        loss_mask: ``[B, S]``, 1 on tokens to learn (assistant tokens).
+        attention_mask: ``[B, S]``, 1 on real tokens.
+        positions: int64 ``[B, S]`` or None, ``Features.positions`` (a packed batch).
+    """
+
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+def batch_rowmap(features: Features, masks: HostMasks | torch.Tensor, ttt_length: int, *,
+                 empty: bool = False) -> RowMap:
+    """A one-rank batch's row map (SPEC 6) from its source's masks: from ``HostMasks``
+    built on the host and sent to the features' device in one non-blocking copy
+    (``unrolled.rowmap_to_device``: the host never waits for the device); from a
+    device loss mask ``[B, S]`` built on the device. ``empty``: a zero-weight batch (a
+    data-parallel rank past the end of the epoch), no supervised rows."""
+    host = isinstance(masks, HostMasks)
+    loss_mask = masks.loss_mask if host else masks
+    if empty:
+        loss_mask = torch.zeros_like(loss_mask)
+    attention_mask, positions = ((masks.attention_mask, masks.positions) if host
+                                 else (features.attention_mask, features.positions))
+    supervised = supervised_mask(loss_mask, attention_mask, positions=positions)
+    rowmap = build_rowmap(supervised, ttt_length, positions=positions)
+    if not host:
+        return rowmap
+    return rowmap_to_device(rowmap, features.input_ids.device, attention_mask, positions)
 
 
 @dataclasses.dataclass
 class Source:
     """Micro-batches: a list of items and how to turn one into ``(Features [B, S, ...],
-    loss_mask bool [B, S])``; ``describe`` names an item in messages (its conversations'
+    masks)``, where ``masks`` is the batch's ``HostMasks`` (or, from a hand-made
+    source, its loss mask ``[B, S]`` on the features' device, from which the row map
+    is built there); ``describe`` names an item in messages (its conversations'
     ``file:line``, or its cache shard)."""
 
     items: list
-    load: Callable[..., tuple[Features, torch.Tensor]]
+    load: Callable[..., tuple[Features, "HostMasks | torch.Tensor"]]
     describe: Callable[[object], str] = str
 
     def order(self, epoch: int, seed: int) -> list[int]:
@@ -66,6 +107,14 @@ class PrefetchSource(Source):
 
     def take_wait(self) -> float:
         return self.prefetcher.take_wait()
+
+
+def send(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: through pinned memory with a
+    non-blocking copy to CUDA (a copy from pageable memory waits for it)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -102,14 +151,18 @@ def online_source(cfg: TrainConfig, device: torch.device):
                          f"has {len(examples)} usable conversations; hold out fewer")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
+    checked = []  # the model's head is compared with its logits on the first batch only
+
     def load(group):
         if cfg.packs:  # rows of conversations, one shape [batch_size, row_length]
             b = collate_packed(group, pad, cfg.row_length)
-            packed = {"position_ids": b["position_ids"].to(device)}
+            packed = {"position_ids": send(b["position_ids"], device)}
         else:
             b, packed = collate(group, pad), {}
-        f = target_features(target, b["input_ids"].to(device), b["attention_mask"].to(device), **packed)
-        return f, b["loss_mask"].to(device)
+        f = target_features(target, send(b["input_ids"], device), send(b["attention_mask"], device),
+                            check_head=not checked, **packed)
+        checked.append(True)
+        return f, HostMasks(b["loss_mask"], b["attention_mask"], b.get("position_ids"))
 
     def describe(group):
         return "conversations at " + ", ".join(e.source for item in group
@@ -182,7 +235,8 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
         return Features(input_ids=move(features.input_ids), aux=cast(features.aux),
                         attention_mask=move(features.attention_mask),
                         target_logits=cast(features.target_logits), final_hidden=cast(features.final_hidden),
-                        target_head=head, positions=move(features.positions)), move(loss_mask)
+                        target_head=head, positions=move(features.positions)), HostMasks(
+                            loss_mask, features.attention_mask, features.positions)
     shards = []  # ids and masks only (no features read), for the vocab map and held-out prompts
     for i in range(len(cache)):
         item = cache.read(i, (0, 0))

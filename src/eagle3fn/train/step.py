@@ -25,6 +25,7 @@ from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
 from eagle3fn.train.build import Run
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.sources import HostMasks, batch_rowmap
 from eagle3fn.unrolled import Collectives, gated_counts, ttt
 
 
@@ -98,15 +99,16 @@ def micro_batch(run: Run, order: list[int], index: int):
     windowed = ()
     if layout and layout.sp > 1 and cfg.cache:
         windowed = ("aux", "final_hidden")
-        features, loss_mask = run.source.load(item, window=functools.partial(
+        features, masks = run.source.load(item, window=functools.partial(
             chunk_window, sp=layout.sp, sp_rank=layout.sp_rank, ttt_length=cfg.ttt_length))
     else:
-        features, loss_mask = run.source.load(item)
+        features, masks = run.source.load(item)
+    if layout is None:
+        return item, features, batch_rowmap(features, masks, cfg.ttt_length, empty=index >= len(order)), None
+    loss_mask = masks.loss_mask.to(features.input_ids.device) if isinstance(masks, HostMasks) else masks
     if index >= len(order):  # a data-parallel rank past the end: zero weight, no rows
         loss_mask = torch.zeros_like(loss_mask)
     supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
-    if layout is None:
-        return item, features, build_rowmap(supervised, cfg.ttt_length, positions=features.positions), None
     features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
                                              cfg.ttt_length, windowed=windowed)
     rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C, positions=features.positions)
@@ -139,7 +141,8 @@ def _backward(run: Run, order: list[int], starts: list[int]):
         bad = torch.maximum(bad, (~torch.isfinite(obj.objective.detach())).to(bad.dtype))
         if run.layout:
             reduce_grads(run.trainable, run.whole)
-        tokens += int(features.attention_mask[:, :rowmap.num_rows].sum())
+        tokens += (int(rowmap.host.lengths.sum()) if rowmap.host is not None  # no host sync
+                   else int(features.attention_mask[:, :rowmap.num_rows].sum()))
     objective = step_objective(objs, gated=gated is not None, token_mean=cfg.loss.normalization == "token_mean")
     return items, objective, bad, tokens
 
@@ -161,7 +164,8 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     flags = all_reduce(torch.stack([bad, (~torch.isfinite(grad_norm)).to(bad.dtype)]), "max")
-    grad_norm, nonfinite = float(grad_norm), bool(flags.max() > 0)
+    grad_norm, flag = torch.stack([grad_norm.double(), flags.max().double()]).tolist()  # one host sync
+    nonfinite = flag > 0
     lr = lr_at(run.step, run.total, cfg)
     if nonfinite:
         where = "; ".join(run.source.describe(it) for it in items)

@@ -2,7 +2,8 @@
 
     config.py    TTTConfig (and Collectives): what the objective is configured by
     policy.py    which rows trim="backbone" computes; which path trim="auto" takes
-    layout.py    the steps' index maths, planned on the host and uploaded once per batch
+    layout.py    the steps' index maths, planned on the host and uploaded once per batch;
+                 a row map built on the host sent to the device (``rowmap_to_device``)
     attention.py one step's attention: eager, packed FlexAttention, log-sum-exp merges
     unroll.py    the k steps of the draft layer, the head and loss per step -> ``ttt``
     runtime.py   the intra-op thread count around the host index maths (what is
@@ -20,6 +21,7 @@ from eagle3fn.unrolled.attention import (FLEX_BLOCK, PackedLayout, block_tables,
                                          packed_query_len, use_merge_kernel)
 from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
                                       AttentionImpl, Collectives, LossImpl, Trim, TTTConfig)
+from eagle3fn.unrolled.layout import rowmap_to_device
 from eagle3fn.unrolled.policy import auto_score, auto_trim, choose_trim, computed_rows
 from eagle3fn.unrolled.unroll import (HEAD_CHUNK_LOGITS, backbone, fused_head_chunk, gated_counts,
                                       skeleton, trimmed_backbone, ttt)
@@ -49,6 +51,7 @@ __all__ = [
     "merge_diagonal",
     "merge_diagonal_as",
     "pack_queries",
+    "rowmap_to_device",
     "packed_block_mask",
     "packed_flex_attention",
     "packed_keys",

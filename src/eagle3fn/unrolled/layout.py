@@ -13,13 +13,14 @@ the positions of step j's computed rows inside step j-1's (``within``) and of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from eagle3fn.align import document_starts
-from eagle3fn.shapes import Features, RowMap
+from eagle3fn.shapes import Features, HostRows, RowMap
 from eagle3fn.unrolled.attention import PackedLayout, _key_len, packed_layout
 from eagle3fn.unrolled.config import DEFAULT_QUERY_BUCKETS
 from eagle3fn.unrolled.policy import computed_rows
@@ -58,6 +59,38 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return []
     flat = torch.cat([t.to(torch.int64).flatten() for t in tensors]).cpu()
     return [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
+
+
+def rowmap_to_device(rowmap: RowMap, device: torch.device, attention_mask_BT: torch.Tensor,
+                     positions_BT: torch.Tensor | None = None) -> RowMap:
+    """A row map built on the host (``rowmap.build_rowmap`` of host masks), on
+    ``device`` in one non-blocking copy, keeping the host one and the batch's host masks
+    as its ``host`` (``HostRows``): ``ttt`` then plans the steps and checks the
+    teachers on the host, and the training thread never waits for the device to learn
+    them (no host sync per batch).
+
+    Args:
+        rowmap: a ``RowMap`` whose tensors are on the host (CPU).
+        device: where the step runs.
+        attention_mask_BT: ``[B, T]`` the batch's attention mask, on the host.
+        positions_BT: int64 ``[B, T]`` or None, ``Features.positions`` on the host.
+
+    Returns:
+        The ``RowMap`` with its tensors on ``device`` (the same values) and ``host`` set.
+        On the CPU the tensors are the host ones.
+    """
+    if rowmap.teacher_positions.device.type != "cpu" or attention_mask_BT.device.type != "cpu":
+        raise ValueError(f"rowmap_to_device sends a host row map with host masks; got them on "
+                         f"{rowmap.teacher_positions.device} and {attention_mask_BT.device}")
+    host = HostRows(rowmap=rowmap, lengths=attention_mask_BT[:, :rowmap.num_rows].sum(1).to(torch.int64),
+                    positions=positions_BT)
+    k = rowmap.ttt_length
+    flat = [*rowmap.rows, rowmap.teacher_positions, *rowmap.table_rows, *rowmap.backbone_rows, rowmap.step0_rows]
+    sent = iter(_upload(flat, device) if _sends_plan(device) else flat)
+    take = lambda n: tuple(next(sent) for _ in range(n))  # noqa: E731
+    rows, (teacher,), table, back, (step0,) = take(k), take(1), take(k), take(len(rowmap.backbone_rows)), take(1)
+    return dataclasses.replace(rowmap, rows=rows, teacher_positions=teacher, table_rows=table,
+                               backbone_rows=back, step0_rows=step0, host=host)
 
 
 def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
@@ -134,10 +167,17 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
     C = rowmap.num_rows
     device = features.aux.device
     computed = computed_rows(rowmap) if trim == "backbone" else None
-    lengths = features.attention_mask[:, :C].sum(1)
     packed = flex and features.positions is not None
-    starts = [document_starts(features.positions[:, :C])] if packed else []
-    wanted = ([lengths] if flex else []) + starts + (list(computed) + list(rowmap.rows) if computed else [])
+    if rowmap.host is not None:  # built on the host: nothing to download
+        twin = rowmap.host
+        lengths, positions = twin.lengths, twin.positions
+        rows = twin.rowmap.rows
+        computed_h = computed_rows(twin.rowmap) if computed is not None else None
+    else:
+        lengths, positions = features.attention_mask[:, :C].sum(1), features.positions
+        rows, computed_h = rowmap.rows, computed
+    starts = [document_starts(positions[:, :C])] if packed else []
+    wanted = ([lengths] if flex else []) + starts + (list(computed_h) + list(rows) if computed else [])
     host = iter(_to_host(wanted))
     lengths_h = next(host) if flex else None
     starts_h = next(host) if packed else None

@@ -293,8 +293,10 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
             f"but the batch has B={B}, T={T} and config.ttt_length={config.ttt_length}"
         )
     positions = rowmap.teacher_positions
-    if positions.numel():
-        _check_teachers(positions, T, features.positions)
+    if positions.numel():  # on the host twin when there is one: no wait for the device
+        twin = rowmap.host
+        _check_teachers(*((positions, T, features.positions) if twin is None else
+                          (twin.rowmap.teacher_positions, T, twin.positions)))
     if config.trim == "auto":
         config = dataclasses.replace(config, trim=choose_trim(rowmap, config))
     # The steps' index maths first, on the host: its one download waits for nothing but
@@ -331,7 +333,7 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
 def _check_teachers(positions_U: torch.Tensor, T: int, positions_BT: torch.Tensor | None) -> None:
     """ValueError when a teacher position ``s`` (flat ``b*T + s``) does not hold its
     teacher ``z[s+1]``: ``s`` is the last of its buffer, or (packed, ``positions_BT``)
-    of its document. One host sync."""
+    of its document. One host sync (none for host tensors: a ``RowMap.host`` twin)."""
     bad = [(positions_U % T == T - 1).any()]
     if positions_BT is not None:
         pos = positions_BT.flatten()
