@@ -123,6 +123,11 @@ class PrepareArgs:
     aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
     """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
     per token and aux layer (about half the bytes of bfloat16; lossy, see docs/cache.md)."""
+    compile_target: bool = True
+    """On CUDA: compile the target's decoder layers with torch.compile to fuse their
+    elementwise work (one graph for all of them, one extra compilation at the first
+    shard); --no-compile-target runs the target eagerly. The cache differs only by
+    rounding and keeps its fingerprint (a cache may be resumed with either)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -136,7 +141,7 @@ def prepare(args: PrepareArgs) -> None:
     from eagle3fn.io.cache import check_resumable, prepare as write
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
-    from eagle3fn.io.target import load_target
+    from eagle3fn.io.target import compile_decoder_layers, load_target
 
     device = args.model.torch_device()
     dtype = args.model.torch_dtype(device)
@@ -154,6 +159,8 @@ def prepare(args: PrepareArgs) -> None:
     tok = _tokenizer(args.model)
     target = load_target(args.model.path, aux_layer_ids=args.aux_layer_ids, dtype=dtype, device=device,
                          **args.model.kwargs())
+    if args.compile_target:
+        target = compile_decoder_layers(target)
     examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
                              on_error=args.data.on_error)
     write(target, examples, args.out, batch_size=args.batch_size, pad_token_id=tok.pad_token_id or 0,

@@ -10,6 +10,9 @@ One target forward per batch, under no grad, with hooks on the text backbone::
       hook on backbone.norm (its output)                      -> final_hidden [B, S, Ht]
       lm_head.weight                                          -> target_head [V, Ht]
 
+``compile_decoder_layers`` compiles each decoder layer's forward (on CUDA); the hooks
+stay outside the compiled graphs.
+
 Aux layer ids are output-of-layer ids: id ``i`` is the residual stream leaving decoder
 layer ``i``, read where layer ``i + 1`` takes it in (SGLang and vLLM store ``i + 1``
 and capture before that layer; both only capture before an existing layer, hence
@@ -25,6 +28,8 @@ in vocab chunks at the supervised positions only, for any V.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import operator
@@ -36,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3fn.compiled import compile_backend, compiler
 from eagle3fn.errors import UsageError
 from eagle3fn.io.model_dir import check_model_dir
 from eagle3fn.shapes import Features
@@ -260,6 +266,9 @@ class TargetModel:
         num_layers: N.
         hidden_size: Ht.
         vocab_size: V, rows of ``lm_head.weight`` (the draft's ``vocab_size``).
+        compiled_layers: None (every layer eager), or N callables from
+            ``compile_decoder_layers``: the compiled forward of ``backbone.layers[i]``, None
+            where that layer runs eagerly; ``target_features`` runs them.
     """
 
     model: nn.Module
@@ -269,6 +278,7 @@ class TargetModel:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    compiled_layers: tuple[Callable | None, ...] | None = None
 
     @property
     def embed_tokens(self) -> torch.Tensor:
@@ -368,6 +378,69 @@ def load_target(
                        num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
 
 
+def compile_decoder_layers(target: TargetModel) -> TargetModel:
+    """``target`` with the forward of each decoder layer of its text backbone compiled,
+    for ``target_features`` to run.
+
+    Each ``backbone.layers[i].forward`` (hidden ``[B, S, Ht]`` -> ``[B, S, Ht]``: the two
+    RMSNorms, attention with its rotary application, the MLP, the residual adds, the
+    dtype casts) is compiled with ``compiled.compiler`` (shape-dynamic; inductor with
+    ``INDUCTOR_OPTIONS``), the backend ``compiled.compile_backend`` gives for the device
+    of the layer's weights: inductor on CUDA, None (the layer stays eager) on the CPU
+    unless ``compiled.compile_on_cpu`` says otherwise. The embedding, the rotary tables,
+    the attention mask, the final norm and the head stay eager.
+
+    The layers share their code, so dynamo makes one graph for all N of them; it adds
+    one where its guards tell calls apart: an unpacked batch without padding (the
+    transformers SDPA mask is then None, not a tensor), a batch of one row (dynamo
+    specialises size 1), layers whose forward differs. The graph is compiled at the first
+    ``target_features`` call; later lengths reuse it.
+
+    Only ``forward`` is compiled, not the module's ``__call__``: the forward hooks of
+    ``target_features`` (pre-hooks on ``layers[i + 1]``, the hook on the final norm) run
+    eagerly around the compiled forward and read the same tensors as without it (a
+    compiled ``__call__`` would trace the hooks, which change at every call). The
+    compiled forwards are set on the layers only while ``target_features`` runs, so
+    other calls of ``target.model`` (the KV-cached decoding of ``speculative``) run
+    eagerly.
+
+    Args:
+        target: from ``load_target``.
+
+    Returns:
+        A ``TargetModel`` on the same modules with ``compiled_layers`` (N entries, None
+        for an eager layer); ``target`` itself when no layer is compiled (the CPU by
+        default), so CPU behaviour is unchanged.
+    """
+    forwards = []
+    for layer in target.backbone.layers:
+        weight = next(layer.parameters(), None)
+        backend = None if weight is None else compile_backend(weight.device)
+        forwards.append(None if backend is None else compiler(layer.forward, backend))
+    if all(forward is None for forward in forwards):
+        return target
+    return dataclasses.replace(target, compiled_layers=tuple(forwards))
+
+
+@contextlib.contextmanager
+def _compiled_forwards(target: TargetModel):
+    """Inside the block each layer with a compiled forward runs it; the layers' own
+    ``forward`` attributes come back after it, also on error."""
+    saved = []
+    try:
+        for layer, forward in zip(target.backbone.layers, target.compiled_layers or ()):
+            if forward is not None:
+                saved.append((layer, layer.__dict__.get("forward")))
+                layer.forward = forward
+        yield
+    finally:
+        for layer, before in saved:
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
+
+
 class _Capture:
     """Hook state of one forward: the aux streams, copied into one ``[B, S, 3*Ht]``
     buffer at the moment layer ``i + 1`` reads them (so an in-place update of the stream
@@ -433,7 +506,8 @@ def target_features(
         [B, S, Ht]`` (after the final norm), ``target_head [V, Ht]`` (the lm_head weight,
         not copied), ``target_logits=None``, and ``input_ids`` / ``attention_mask`` /
         ``positions`` (= ``position_ids``) as given. Hooks are removed before
-        returning, also on error.
+        returning, also on error. The decoder layers run their compiled forwards where
+        ``target.compiled_layers`` has them (``compile_decoder_layers``).
     """
     if position_ids is not None and (model_inputs or position_ids.shape != input_ids.shape):
         raise UsageError(f"packed batches (position_ids {tuple(position_ids.shape)}) are for text targets "
@@ -455,7 +529,8 @@ def target_features(
             kwargs["attention_mask"] = attention_mask
         else:  # a 2-D mask would turn transformers' packed-sequence detection off
             kwargs["position_ids"] = position_ids
-        out = target.model(input_ids=input_ids, **kwargs)
+        with _compiled_forwards(target):
+            out = target.model(input_ids=input_ids, **kwargs)
     finally:
         for handle in handles:
             handle.remove()

@@ -31,11 +31,12 @@ BEST = "checkpoint-best.pt"
 """The checkpoint of the evaluation with the highest acceptance length so far (a whole
 checkpoint, with ``best = {"step", "acceptance_length"}``)."""
 # Settings that do not change what is trained: where output goes, how often it is
-# written, and spellings replaced in the fingerprint by what they resolve to.
+# written, spellings replaced in the fingerprint by what they resolve to, and whether
+# the target's layers are compiled (compile_target: rounding only).
 _NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "eval_accept_prompts",
                    "eval_accept_tokens", "tensorboard", "preset",
                    "model", "gguf_file", "data", "cache", "vocab_map", "device", "trim",
-                   "trim_loss_positions", "parallel", "max_steps")
+                   "trim_loss_positions", "parallel", "max_steps", "compile_target")
 # max_steps may change on resume (train a run further, or stop it earlier): it is kept
 # beside the fingerprint, and ``check_resume`` says when the lr schedule is re-spanned.
 _REQUIRED = ("params", "optimizer", "step", "epoch", "pos", "rng", "config", "draft", "aux_layer_ids",

@@ -124,12 +124,14 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def load_target_for(cfg: TrainConfig, device: torch.device):
-    """The target (``io.target.TargetModel``) on ``device`` in the compute dtype."""
-    from eagle3fn.io.target import load_target
+    """The target (``io.target.TargetModel``) on ``device`` in the compute dtype, its
+    decoder layers compiled on CUDA unless ``--no-compile-target``."""
+    from eagle3fn.io.target import compile_decoder_layers, load_target
 
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-    return load_target(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
-                       dtype=compute_dtype(cfg, device), **kwargs)
+    target = load_target(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
+                         dtype=compute_dtype(cfg, device), **kwargs)
+    return compile_decoder_layers(target) if cfg.compile_target else target
 
 
 def online_source(cfg: TrainConfig, device: torch.device):

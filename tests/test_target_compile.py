@@ -1,0 +1,217 @@
+"""The target's decoder layers compiled (io.target.compile_decoder_layers): the same
+features as eager, the hooks on the right layers, one graph for every layer and length.
+
+The CPU runs eagerly by default; ``compile_on_cpu("aot_eager")`` sends CPU tensors
+through the compiled path a CUDA run takes, so dynamo's guards (what decides a
+recompilation) and the hooks around the compiled forwards are exercised here; inductor's
+kernels are the GPU's part. Oracles: the same target run eagerly, and transformers' own
+``output_hidden_states``. Controls: compiled forwards wired to the wrong layers, a
+captured stream compared with a neighbouring layer, and the layers compiled
+shape-static, are each caught by the check they control.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+from recorders import prepare_cache, save_tiny_target, write_tiny_chat
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3fn.compiled import RecompileCounter, compile_on_cpu
+from eagle3fn.io.target import compile_decoder_layers, load_target, target_features
+from eagle3fn.train.config import TrainConfig
+
+V, N = 96, 4
+AUX = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=N,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=256, pad_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target(model):
+    return load_target(model, aux_layer_ids=AUX)
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    """A copy of the target's model for ``output_hidden_states``, which installs
+    transformers' output-capturing hooks on the modules for good (hooks inside a layer
+    run in its compiled forward, where dynamo breaks the graph on their ContextVar)."""
+    return copy.deepcopy(model)
+
+
+def batch(S: int, packed: bool, padded: bool = True, seed: int = 0) -> dict:
+    """Two rows of S tokens: unpacked, the second one right-padded by 3 when ``padded``;
+    packed, two documents per row (positions restarting) and 3 padding positions
+    continuing the last one, as ``io.packing.collate_packed`` lays them out."""
+    g = torch.Generator().manual_seed(seed + S)
+    ids = torch.randint(3, V, (2, S), generator=g)
+    mask = torch.ones(2, S, dtype=torch.long)
+    if not packed:
+        if padded:
+            mask[1, S - 3:] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    mask[:, S - 3:] = 0
+    cuts = (S // 3, S // 2)
+    positions = torch.stack([torch.cat([torch.arange(c), torch.arange(S - c)]) for c in cuts])
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+
+def features(target, b):
+    return target_features(target, b["input_ids"], b["attention_mask"], position_ids=b.get("position_ids"))
+
+
+def max_diff(a, b) -> float:
+    return (a.aux - b.aux).abs().max().item() + (a.final_hidden - b.final_hidden).abs().max().item()
+
+
+def test_no_op_where_nothing_compiles(target):
+    assert compile_decoder_layers(target) is target  # the CPU: eager, unchanged
+    with compile_on_cpu("aot_eager"):
+        compiled = compile_decoder_layers(target)
+    assert compiled.compiled_layers is not None and len(compiled.compiled_layers) == N
+    assert all(callable(f) for f in compiled.compiled_layers) and compiled.model is target.model
+
+
+LENGTHS = [(24, True), (28, False), (36, True), (44, False), (61, True), (52, False), (29, True)]
+"""(S, padded) of the batches: every length after the first two is new."""
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_compiled_layers_give_the_eager_features_in_one_graph(target, oracle, packed):
+    """The compiled layers give the eager features at every length, with no graph break
+    and no recompilation after the first two lengths: one graph for every layer; an
+    unpacked batch without padding (transformers then gives SDPA no mask, not a mask
+    tensor) is a second one, compiled among the first two here."""
+    from torch._dynamo.utils import counters
+
+    batches = [batch(S, packed, padded) for S, padded in LENGTHS]
+    want = [features(target, b) for b in batches]  # eager
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    with compile_on_cpu("aot_eager"), RecompileCounter(keep=8) as counter:
+        compiled = compile_decoder_layers(target)
+        graphs = RecompileCounter.graphs()
+        got = [features(compiled, b) for b in batches[:2]]
+        warm, graphs = counter.count, RecompileCounter.graphs() - graphs
+        got += [features(compiled, b) for b in batches[2:]]
+    assert counter.count == warm and counter.limit_hits == 0, counter.examples
+    assert graphs == (1 if packed else 2) < N, graphs  # not one graph per layer
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    for (S, _), g, w in zip(LENGTHS, got, want):
+        assert max_diff(g, w) <= 1e-6, (S, max_diff(g, w))
+    assert all("forward" not in layer.__dict__ for layer in target.backbone.layers)  # eager again after
+
+    # The hooks read the right layers: HF's own residual streams, from the call
+    # target_features makes (packed: no 2-D mask).
+    inputs = {k: v for k, v in batches[0].items() if not (packed and k == "attention_mask")}
+    hf = oracle(**inputs, use_cache=False, output_hidden_states=True).hidden_states  # N + 1 streams
+    H = target.hidden_size
+    for slot, i in enumerate(AUX):
+        chunk = got[0].aux[..., slot * H:(slot + 1) * H]
+        assert torch.allclose(chunk, hf[i + 1], atol=1e-5), (slot, i)
+        # Control: the stream one layer off (what a hook on the wrong layer reads) is caught.
+        assert not torch.allclose(chunk, hf[i + 2], atol=1e-2)
+        assert not torch.allclose(chunk, hf[i], atol=1e-2)
+    assert torch.allclose(got[0].final_hidden, hf[N], atol=1e-5)  # HF's last stream is after the norm
+    # Control: compiled forwards wired to the wrong layers (each runs the next one's)
+    # are caught by the comparison with eager.
+    layers = compiled.compiled_layers
+    wrong = dataclasses.replace(compiled, compiled_layers=layers[1:] + layers[:1])
+    assert max_diff(features(wrong, batches[0]), want[0]) > 1e-3
+
+
+def test_control_static_layers_recompile_per_length(target):
+    """The counter above sees a recompilation: the same layers compiled shape-static
+    recompile at each new length."""
+    torch._dynamo.reset()
+    static = dataclasses.replace(target, compiled_layers=tuple(
+        torch.compile(layer.forward, dynamic=False, backend="aot_eager") for layer in target.backbone.layers))
+    with RecompileCounter(keep=8) as counter:
+        for S, padded in LENGTHS[:2]:
+            features(static, batch(S, True, padded))
+        warm = counter.count
+        for S, padded in LENGTHS[2:5]:
+            features(static, batch(S, True, padded))
+    assert counter.count - warm == 3, counter.examples
+
+
+def test_control_hooks_inside_a_layer_break_its_graph(oracle):
+    """The graph-break check above can fail: transformers' output-capturing hooks
+    (installed on the layers' submodules by the first ``output_hidden_states`` call,
+    for good) run inside the compiled forward and break its graph on their ContextVar;
+    the features stay right."""
+    from torch._dynamo.utils import counters
+
+    b = batch(24, False)
+    oracle(**b, use_cache=False, output_hidden_states=True)
+    hooked = load_target(oracle, aux_layer_ids=AUX)
+    want = features(hooked, b)
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    with compile_on_cpu("eager"):  # graph breaks are dynamo's; the backend does not matter
+        got = features(compile_decoder_layers(hooked), b)
+    assert sum(counters["graph_break"].values()) > breaks
+    assert max_diff(got, want) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compile_target")
+    save_tiny_target(d / "model")
+    write_tiny_chat(d / "chat.jsonl", 6)
+    return d
+
+
+def test_train_compiles_the_target_unless_told_and_keeps_its_fingerprint(workdir):
+    from eagle3fn.train.checkpoint import run_fingerprint
+    from eagle3fn.train.sources import load_target_for
+
+    cfg = TrainConfig(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), device="cpu")
+    off = dataclasses.replace(cfg, compile_target=False)
+    cpu = torch.device("cpu")
+    assert cfg.compile_target and load_target_for(cfg, cpu).compiled_layers is None  # CPU: eager
+    with compile_on_cpu("aot_eager"):
+        assert len(load_target_for(cfg, cpu).compiled_layers) == 8
+        assert load_target_for(off, cpu).compiled_layers is None
+    d2t, t2d = torch.arange(16), torch.arange(64)
+    fingerprint = functools.partial(run_fingerprint, device=cpu, precision=torch.float32, world={}, d2t=d2t,
+                                    t2d=t2d)
+    assert fingerprint(cfg) == fingerprint(off)
+    assert fingerprint(cfg) != fingerprint(dataclasses.replace(cfg, lr=2e-4))  # control: a setting that counts
+
+
+def test_prepare_writes_the_same_cache_compiled(workdir, tmp_path):
+    """``eagle3fn prepare`` with the target compiled (the CPU made to compile) writes the
+    cache --no-compile-target writes, bit for bit, with the same fingerprint: either
+    resumes the other's cache."""
+    from safetensors.torch import load_file
+    from torch._dynamo.utils import counters
+
+    from eagle3fn.io.cache import cache_fingerprint
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    with compile_on_cpu("aot_eager"):
+        eager = prepare_cache(workdir, tmp_path / "eager", "--no-compile-target")
+        assert counters["stats"]["unique_graphs"] == graphs  # control: nothing compiled
+        compiled = prepare_cache(workdir, tmp_path / "compiled")
+        assert counters["stats"]["unique_graphs"] > graphs
+        prepare_cache(workdir, tmp_path / "compiled", "--no-compile-target")  # resumes: complete
+    shards = sorted(p.name for p in eager.glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in compiled.glob("*.safetensors"))
+    for name in shards:
+        a, b = load_file(eager / name), load_file(compiled / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert cache_fingerprint(eager) == cache_fingerprint(compiled)
