@@ -391,10 +391,11 @@ def compile_decoder_layers(target: TargetModel) -> TargetModel:
     the attention mask, the final norm and the head stay eager.
 
     The layers share their code, so dynamo makes one graph for all N of them; it adds
-    one where its guards tell calls apart: an unpacked batch without padding (the
-    transformers SDPA mask is then None, not a tensor), a batch of one row (dynamo
-    specialises size 1), layers whose forward differs. The graph is compiled at the first
-    ``target_features`` call; later lengths reuse it.
+    one where its guards tell calls apart: a batch whose SDPA mask transformers drops
+    (an unpacked batch without padding, a packed batch whose rows hold one conversation
+    each: the mask is then None, not a tensor), a batch of one row (dynamo specialises
+    size 1), layers whose forward differs. Each graph is compiled the first time such a
+    batch comes; later lengths reuse it.
 
     Only ``forward`` is compiled, not the module's ``__call__``: the forward hooks of
     ``target_features`` (pre-hooks on ``layers[i + 1]``, the hook on the final norm) run
