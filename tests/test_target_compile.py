@@ -1,13 +1,16 @@
 """The target's decoder layers compiled (io.target.compile_decoder_layers): the same
-features as eager, the hooks on the right layers, one graph for every layer and length.
+features as eager, the hooks on the right layers, one graph for every layer and length
+(per kind of SDPA mask), ``--compile-target`` wired into train and prepare without
+changing a fingerprint.
 
 The CPU runs eagerly by default; ``compile_on_cpu("aot_eager")`` sends CPU tensors
 through the compiled path a CUDA run takes, so dynamo's guards (what decides a
 recompilation) and the hooks around the compiled forwards are exercised here; inductor's
 kernels are the GPU's part. Oracles: the same target run eagerly, and transformers' own
 ``output_hidden_states``. Controls: compiled forwards wired to the wrong layers, a
-captured stream compared with a neighbouring layer, and the layers compiled
-shape-static, are each caught by the check they control.
+captured stream compared with a neighbouring layer, the layers compiled shape-static,
+hooks inside a layer (graph breaks), nothing compiled (prepare) and a setting that
+counts (fingerprint) are each caught by the check they control.
 """
 
 from __future__ import annotations
