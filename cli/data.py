@@ -123,11 +123,12 @@ class PrepareArgs:
     aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
     """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
     per token and aux layer (about half the bytes of bfloat16; lossy, see docs/cache.md)."""
-    compile_target: bool = True
+    compile_target: bool = False
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
-    shard); --no-compile-target runs the target eagerly. The cache differs only by
-    rounding and keeps its fingerprint (a cache may be resumed with either)."""
+    shard). Off by default until it is timed on the GPU (docs/dataflow.md). The cache
+    differs only by rounding and keeps its fingerprint (a cache may be resumed with
+    either)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

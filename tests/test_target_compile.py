@@ -184,10 +184,11 @@ def test_train_compiles_the_target_unless_told_and_keeps_its_fingerprint(workdir
     from eagle3fn.train.checkpoint import run_fingerprint
     from eagle3fn.train.sources import load_target_for
 
-    cfg = TrainConfig(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), device="cpu")
-    off = dataclasses.replace(cfg, compile_target=False)
+    off = TrainConfig(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), device="cpu")
+    cfg = dataclasses.replace(off, compile_target=True)
     cpu = torch.device("cpu")
-    assert cfg.compile_target and load_target_for(cfg, cpu).compiled_layers is None  # CPU: eager
+    assert not off.compile_target  # opt-in until timed on the GPU
+    assert load_target_for(cfg, cpu).compiled_layers is None  # CPU: eager
     with compile_on_cpu("aot_eager"):
         assert len(load_target_for(cfg, cpu).compiled_layers) == 8
         assert load_target_for(off, cpu).compiled_layers is None
@@ -212,7 +213,7 @@ def test_prepare_writes_the_same_cache_compiled(workdir, tmp_path):
     with compile_on_cpu("aot_eager"):
         eager = prepare_cache(workdir, tmp_path / "eager", "--no-compile-target")
         assert counters["stats"]["unique_graphs"] == graphs  # control: nothing compiled
-        compiled = prepare_cache(workdir, tmp_path / "compiled")
+        compiled = prepare_cache(workdir, tmp_path / "compiled", "--compile-target")
         assert counters["stats"]["unique_graphs"] > graphs
         prepare_cache(workdir, tmp_path / "compiled", "--no-compile-target")  # resumes: complete
     shards = sorted(p.name for p in eager.glob("*.safetensors"))

@@ -211,11 +211,11 @@ class TrainConfig:
     """Compute dtype of the target and the draft step (masters stay fp32, fp64 with
     float64): ``auto`` is bf16 on CUDA and fp32 on the CPU; float64 is for exactness
     checks."""
-    compile_target: bool = True
+    compile_target: bool = False
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
-    batch); --no-compile-target runs the target eagerly. Results differ only by rounding,
-    so a run may resume with either."""
+    batch). Off by default until it is timed on the GPU (docs/dataflow.md). Results
+    differ only by rounding, so a run may resume with either."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is NaN/Inf: ``error`` stops the run naming the
     step, the batch and the last good checkpoint (nothing non-finite is saved);

@@ -125,7 +125,7 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 def load_target_for(cfg: TrainConfig, device: torch.device):
     """The target (``io.target.TargetModel``) on ``device`` in the compute dtype, its
-    decoder layers compiled on CUDA unless ``--no-compile-target``."""
+    decoder layers compiled on CUDA with ``--compile-target``."""
     from eagle3fn.io.target import compile_decoder_layers, load_target
 
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
