@@ -136,7 +136,10 @@ def load_target_for(cfg: TrainConfig, device: torch.device):
 
 def online_source(cfg: TrainConfig, device: torch.device):
     """The target, and ``(examples, Source)`` for training and for the held-out tail
-    (the last ``eval_holdout`` conversations of the data)."""
+    (the last ``eval_holdout`` conversations of the data). Each batch's inputs go to
+    the device through pinned memory without a host sync, its masks stay on the host
+    (``HostMasks``), and the target's logits are compared with its head on the first
+    batch only (``target_features(check_head=)``: a property of the model)."""
     from transformers import AutoTokenizer
 
     from eagle3fn.io.batching import collate
