@@ -360,3 +360,35 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
     monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool,
                                                                    device=n.device))
     assert run()[0] != want
+
+
+@pytest.mark.parametrize("trim", ["loss", "backbone", "none"])
+def test_step_from_host_masks_never_waits_for_the_gpu(packed_batches, trim):
+    """A packed bf16 step (row map from host masks, ``train.sources.batch_rowmap``; the
+    flex path; forward and backward) under CUDA's sync debug mode set to "error": no
+    operation makes the host wait for the GPU. The first run compiles (outside the
+    mode). Control: the same row map built from the device masks does wait."""
+    from eagle3fn.loss import LossConfig
+    from eagle3fn.train.sources import HostMasks, batch_rowmap
+
+    _, (packed, mask), params, d2t, t2d = packed_batches
+    bf = lambda x: x.to(torch.bfloat16) if x is not None and x.is_floating_point() else x  # noqa: E731
+    f = dataclasses.replace(packed, aux=bf(packed.aux), final_hidden=bf(packed.final_hidden),
+                            target_head=bf(packed.target_head))
+    host = HostMasks(mask.cpu(), f.attention_mask.cpu(), f.positions.cpu())
+    config = TTTConfig(draft=CFG, ttt_length=K, trim=trim, attention="flex",
+                       loss=LossConfig(normalization="token_mean"))
+    ps = {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in params.items()}
+
+    def step(masks):
+        ttt(ps, f, batch_rowmap(f, masks, K), config, d2t=d2t, t2d=t2d).objective.backward()
+
+    step(host)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(host)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            step(mask)  # control: built on the device
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
