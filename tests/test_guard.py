@@ -32,8 +32,8 @@ def poison(monkeypatch, *, batch: int, where: str = "real"):
     real = target_module.target_features
     calls = {"n": 0}
 
-    def features(target, input_ids, attention_mask):
-        f = real(target, input_ids, attention_mask)
+    def features(target, input_ids, attention_mask, **kwargs):
+        f = real(target, input_ids, attention_mask, **kwargs)
         calls["n"] += 1
         if calls["n"] == batch:
             aux = f.aux.clone()
