@@ -156,7 +156,7 @@ def online_source(cfg: TrainConfig, device: torch.device):
                          f"has {len(examples)} usable conversations; hold out fewer")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    checked = []  # the model's head is compared with its logits on the first batch only
+    checked = [False]  # the model's head is compared with its logits on the first batch only
 
     def load(group):
         if cfg.packs:  # rows of conversations, one shape [batch_size, row_length]
@@ -165,8 +165,8 @@ def online_source(cfg: TrainConfig, device: torch.device):
         else:
             b, packed = collate(group, pad), {}
         f = target_features(target, send(b["input_ids"], device), send(b["attention_mask"], device),
-                            check_head=not checked, **packed)
-        checked.append(True)
+                            check_head=not checked[0], **packed)
+        checked[0] = True
         return f, HostMasks(b["loss_mask"], b["attention_mask"], b.get("position_ids"))
 
     def describe(group):
