@@ -70,10 +70,13 @@ def recompiles_per_step(workdir, out, monkeypatch, **kw) -> tuple[list[int], lis
                                 # whose rows hold one conversation each (packed) or no padding
                                 # (unpacked) gives SDPA no mask, a second graph whenever it first comes.
                                 compile_target=False), **kw})
-    counts = []
+    counts, lines = [], []
     torch._dynamo.reset()  # what earlier tests of this process compiled (other dtypes) is not this run's
     with compile_on_cpu("eager"), RecompileCounter(keep=8) as counter:
-        train(cfg, log=lambda s: None, on_step=lambda step: counts.append(counter.count))
+        train(cfg, log=lines.append, on_step=lambda step: counts.append(counter.count))
+    # A compiling run says so before its first step (tests/test_train.py: an eager one does not).
+    first = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert sum(line.startswith("compiling:") for line in lines[:first]) == 1, lines[:first]
     return counts, counter.examples, queries, keys
 
 

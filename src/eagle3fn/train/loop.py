@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from eagle3fn.compiled import compile_backend
 from eagle3fn.io.device import resolve_device
 from eagle3fn.parallel import all_reduce, is_main
 from eagle3fn.train.build import Run, build_run, check_draft_shape, check_paths, open_out_dir
@@ -94,6 +95,17 @@ class _Discard:
         pass
 
 
+def compile_notice() -> str:
+    """The line a run on a compiling device logs before its first step: the first steps
+    compile (so they are slow), and where the compiled kernels are cached for the next
+    run."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return ("compiling: the first steps compile the draft's kernels with torch.compile (slowest on a "
+            f"machine's first run; later runs reuse inductor's cache in {cache_dir()}, "
+            "TORCHINDUCTOR_CACHE_DIR to move it)")
+
+
 def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
     """Optimizer steps to ``run.total``, with logging, held-out evaluation and saves."""
     cfg = run.cfg
@@ -104,6 +116,8 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
         f"Vd={run.draft_cfg.draft_vocab_size} k={cfg.ttt_length} trim={cfg.trim_mode}; "
         f"{len(run.examples)} conversations in {len(run.source.items)} batches/epoch, {len(run.held)} held "
         f"out; {run.total} optimizer steps on {run.device} ({str(run.precision).removeprefix('torch.')})")
+    if compile_backend(run.device) is not None:
+        log(compile_notice())
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     while run.step < run.total and run.epoch < cfg.epochs:
