@@ -200,7 +200,7 @@ def test_gpu_sampler_averages_its_window(bench, tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nfor u in 20 40 60 80; do\n"
                     "  echo \"$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23), $u, $((u * 64))\"\n"
-                    "  sleep 0.2\ndone\nsleep 30\n")
+                    "  sleep 0.2\ndone\nexec sleep 30\n")  # exec: stop() ends it, as nvidia-smi
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     t0 = time.time() - 1
