@@ -362,6 +362,9 @@ def summarise(steps: list[dict], *, warmup: int, launched: float, ceiling_tflops
         "steps": n, "warmup_steps": w, "tokens_per_s": round(rate, 1),
         "padded_tokens_per_s": round(sum(s["padded"] for s in steady) / seconds, 1),
         "ms_per_step_median": round(1e3 * statistics.median(durations), 2),
+        "ms_per_step_quartiles": [round(1e3 * q, 2) for q in statistics.quantiles(durations, n=4)]
+        if len(durations) > 1 else None,
+        "step_ms": [round(1e3 * d, 1) for d in durations],
         "startup_s": round(t_first - launched, 2),
         "warmup_s": round((t_window - t_first) - sum(s["tokens"] for s in steps[:w]) / rate, 2),
         "to_steady_s": round(t_window - launched, 2),
@@ -394,6 +397,8 @@ METHODS = {
     "tokens_per_s": "real tokens of the steps after warmup_steps / wall s from the end of the last warm-up "
                     "step to the end of the last step; each step ends after a device sync",
     "warmup_s": "wall s of the warm-up steps minus their real tokens at the steady rate",
+    "step_ms": "wall ms of each step of the steady window (end to end, device-synced); "
+               "ms_per_step_quartiles: its quartiles (the spread that says what is noise)",
     "startup_s": "process launch to the start of the first optimizer step",
     "padding_frac": "1 - real/padded tokens of every micro-batch computed on (padded = B*S)",
     "recompiles_after_warmup": "dynamo 'Recompiling function' log events during the steady window",
@@ -409,8 +414,11 @@ METHODS = {
     "compile_profile": "s the eagle3fn process spent in dynamo/inductor compile phases, summed over every "
                        "compilation (torch._dynamo.utils.compile_times, aggregated)",
     "profile": "with --profile-step K: step K under torch.profiler (train_probe.profiled): wall_ms, device_ms "
-               "(sum of the device's self times; device_frac = device_ms / wall_ms), launches (host-side kernel, "
-               "graph, copy and memset launches), aten_ops, the top events by self device and self CPU time",
+               "(sum of the device's own events' self times; device_frac = device_ms / wall_ms), launches "
+               "(host-side kernel, graph, copy and memset launches), aten_ops, the top events by self device and "
+               "self CPU time; --trace-dir keeps the step's Chrome trace",
+    "sync_sites": "with --profile-step K: step K-1 under CUDA's sync debug mode (train_probe.sync_sites): each "
+                  "call stack where the host waited for the device, with its count",
     "warmup_step_s": "wall s of each warm-up step (device-synced), compilation included",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }

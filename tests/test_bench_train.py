@@ -110,6 +110,7 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert r["padding_frac"] == pytest.approx(hand, abs=1e-4), key
         assert 0 < r["tokens_per_s"] < r["padded_tokens_per_s"]
         assert r["ms_per_step_median"] > 0 and r["startup_s"] >= 0 and r["to_steady_s"] > r["startup_s"]
+        assert len(r["step_ms"]) == 2 and min(r["step_ms"]) <= r["ms_per_step_median"] <= max(r["step_ms"])
         assert isinstance(r["recompiles_after_warmup"], int) and r["recompiles_after_warmup"] >= 0
         assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
