@@ -158,3 +158,39 @@ def test_attention_and_soft_ce_arguments_resolve():
     soft_ce = load("soft_ce").resolved_args(load("soft_ce").Args())
     for args in (attention, soft_ce):
         assert None not in meta.check_resolved(args).values()
+
+
+def test_trace_summary_of_a_hand_made_trace(tmp_path):
+    """trace_summary on a trace whose times are known: busy, span, idle (only gaps over
+    the threshold), kinds by name, the split, and top-level CPU ops (a nested op is not
+    counted again: control, the nested one sits inside its parent). Also through main
+    (gzip in, JSON out, the source run's commit recorded)."""
+    import gzip
+
+    ts = load("trace_summary")
+
+    def dev(name, t, d, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": t, "dur": d}
+
+    events = [dev("nvjet_sm90_tst_128x256", 10000, 1000), dev("void at::native::elementwise_kernel", 11100, 200),
+              dev("Memcpy HtoD (Pinned -> Device)", 15000, 100, "gpu_memcpy"),  # a 3700 us gap before it
+              dev("triton_tem_fused_flex_attention_0", 15100, 400), dev("triton_poi_fused_mul_0", 15600, 50),
+              {"cat": "cpu_op", "ph": "X", "name": "aten::linear", "ts": 0, "dur": 500, "tid": 1},
+              {"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 100, "dur": 300, "tid": 1},  # nested
+              {"cat": "cpu_op", "ph": "X", "name": "aten::add", "ts": 600, "dur": 50, "tid": 1},
+              {"cat": "cpu_op", "ph": "X", "name": "MmBackward0", "ts": 0, "dur": 80, "tid": 2}]
+    s = ts.summarise({"traceEvents": events}, split_ms=3.0, gap_us=500)
+    assert (s["events"], s["span_ms"], s["busy_ms"]) == (5, 5.65, 1.75)
+    assert (s["idle_ms"], s["idle_gaps"]) == (3.7, 1)  # the two 100 us gaps are under 500 us
+    assert {k: v["count"] for k, v in s["by_kind"].items()} == {"gemm": 1, "other": 1, "copy": 1, "flex": 1,
+                                                                 "triton": 1}
+    assert (s["before"]["events"], s["after"]["events"], s["after"]["busy_ms"]) == (2, 3, 0.55)
+    assert s["host"] == [{"thread": 1, "top_level_ops": 2, "ms": 0.55},
+                         {"thread": 2, "top_level_ops": 1, "ms": 0.08}]
+    path = tmp_path / "t.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    (tmp_path / "bench.json").write_text(json.dumps({"commit": "abc", "dirty": False}))
+    report = ts.main(ts.Args(trace=str(path), bench_json=str(tmp_path / "bench.json"),
+                             out=str(tmp_path / "s.json")))
+    assert json.loads((tmp_path / "s.json").read_text()) == report
+    assert report["source_commit"] == "abc" and report["busy_ms"] == 1.75 and report["commit"]
