@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from eagle3fn.align import supervised_mask
 from eagle3fn.parallel import Layout, all_reduce, collectives, shard_sequence
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.speculative import SpecConfig, acceptance_stats, generate
-from eagle3fn.train.sources import HostMasks, Source, batch_rowmap
+from eagle3fn.train.sources import Source, batch_rowmap, device_supervised
 from eagle3fn.unrolled import TTTConfig, ttt
 
 
@@ -34,8 +33,7 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
     for item in source.items:
         features, masks = source.load(item)
         if layout is not None and layout.sp > 1:
-            loss_mask = masks.loss_mask.to(features.input_ids.device) if isinstance(masks, HostMasks) else masks
-            supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
+            supervised = device_supervised(features, masks)
             features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank, k)
             rowmap = build_rowmap(supervised, k, num_rows=C)
             coll = collectives(layout, rowmap.denominator, features.input_ids.device, config.attention,

@@ -70,6 +70,16 @@ def batch_rowmap(features: Features, masks: HostMasks | torch.Tensor, ttt_length
     return rowmap_to_device(rowmap, features.input_ids.device, attention_mask, positions)
 
 
+def device_supervised(features: Features, masks: HostMasks | torch.Tensor, *, empty: bool = False) -> torch.Tensor:
+    """The batch's supervised mask bool ``[B, S]`` (``align.supervised_mask``) on the
+    features' device, for paths that cut it with the features there (sequence
+    parallelism: ``parallel.shard_sequence``); ``empty`` as in ``batch_rowmap``."""
+    loss_mask = masks.loss_mask.to(features.input_ids.device) if isinstance(masks, HostMasks) else masks
+    if empty:
+        loss_mask = torch.zeros_like(loss_mask)
+    return supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
+
+
 @dataclasses.dataclass
 class Source:
     """Micro-batches: a list of items and how to turn one into ``(Features [B, S, ...],

@@ -18,14 +18,13 @@ from typing import Callable
 
 import torch
 
-from eagle3fn.align import supervised_mask
 from eagle3fn.errors import RunError
 from eagle3fn.parallel import all_reduce, chunk_window, collectives, full, reduce_grads, shard_sequence
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
 from eagle3fn.train.build import Run
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.sources import HostMasks, batch_rowmap
+from eagle3fn.train.sources import batch_rowmap, device_supervised
 from eagle3fn.unrolled import Collectives, gated_counts, ttt
 
 
@@ -103,16 +102,14 @@ def micro_batch(run: Run, order: list[int], index: int):
             chunk_window, sp=layout.sp, sp_rank=layout.sp_rank, ttt_length=cfg.ttt_length))
     else:
         features, masks = run.source.load(item)
+    empty = index >= len(order)  # a data-parallel rank past the end: zero weight, no rows
     if layout is None:
-        return item, features, batch_rowmap(features, masks, cfg.ttt_length, empty=index >= len(order)), None
-    loss_mask = masks.loss_mask.to(features.input_ids.device) if isinstance(masks, HostMasks) else masks
-    if index >= len(order):  # a data-parallel rank past the end: zero weight, no rows
-        loss_mask = torch.zeros_like(loss_mask)
-    supervised = supervised_mask(loss_mask, features.attention_mask, positions=features.positions)
+        return item, features, batch_rowmap(features, masks, cfg.ttt_length, empty=empty), None
+    supervised = device_supervised(features, masks, empty=empty)
     features, supervised, C = shard_sequence(features, supervised, layout.sp, layout.sp_rank,
                                              cfg.ttt_length, windowed=windowed)
     rowmap = build_rowmap(supervised, cfg.ttt_length, num_rows=C, positions=features.positions)
-    denominator = 0 if index >= len(order) else rowmap.denominator
+    denominator = 0 if empty else rowmap.denominator
     return item, features, rowmap, collectives(layout, denominator, run.device, run.ttt_cfg.attention,
                                                kernel_options=run.ttt_cfg.flex_kernel_options,
                                                compile_elementwise=run.ttt_cfg.compile_elementwise)
