@@ -301,9 +301,9 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
     f, lm, params, d2t, t2d = make_batch("random30", 2)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
     seen = []
-    real = torch.searchsorted
-    monkeypatch.setattr(torch, "searchsorted", lambda *a, **k: (seen.append(torch.get_num_threads()),
-                                                               real(*a, **k))[1])
+    real = torch.bincount  # the batched plan's counting op (layout._insides, the key-major tables)
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                           real(*a, **k))[1])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -313,7 +313,7 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
 
         def boom(*a, **k):
             raise RuntimeError("boom")
-        monkeypatch.setattr(torch, "searchsorted", boom)
+        monkeypatch.setattr(torch, "bincount", boom)
         with pytest.raises(RuntimeError, match="boom"):
             layout_module._plan_steps(rm, "backbone", f, flex=True)
         assert torch.get_num_threads() == 2

@@ -25,13 +25,12 @@ from eagle3fn.shapes import RowMap
 def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int,
                   positions_BT: torch.Tensor | None) -> torch.Tensor:
     """``win[j, b, p] = mask[b, p + j]`` and ``positions[b, p + j] >= j`` (False past
-    T): bool ``[k, B, C]``."""
-    padded = F.pad(mask_BT, (0, ttt_length))
-    if positions_BT is None:
-        return torch.stack([padded[:, j : j + num_rows] for j in range(ttt_length)])
-    pos = F.pad(positions_BT, (0, ttt_length), value=-1)
-    return torch.stack([padded[:, j : j + num_rows] & (pos[:, j : j + num_rows] >= j)
-                        for j in range(ttt_length)])
+    T): bool ``[k, B, C]``, every step from one sliding window (``unfold``)."""
+    win = F.pad(mask_BT, (0, ttt_length)).unfold(1, ttt_length, 1)[:, :num_rows]  # [B, C, k]
+    if positions_BT is not None:
+        pos = F.pad(positions_BT, (0, ttt_length), value=-1).unfold(1, ttt_length, 1)[:, :num_rows]
+        win = win & (pos >= torch.arange(ttt_length, device=mask_BT.device))
+    return win.permute(2, 0, 1).contiguous()
 
 
 def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None, *,
@@ -82,7 +81,8 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     # Every row list from one nonzero (two host syncs in all, not one per list).
     flags = torch.cat([win_kBC.flatten(1), need_kBC.flatten(1)])  # [2k, B*C]
     counts = flags.sum(dim=1).tolist()
-    lists = flags.nonzero()[:, 1].contiguous().split(counts)
+    flat_rows = flags.nonzero()[:, 1].contiguous()
+    lists = flat_rows.split(counts)
     rows = lists[:k]
 
     # A supervised s is reached iff some j < k has j <= s (j <= positions[s]) and
@@ -95,11 +95,14 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     teacher_positions = reached_BT.flatten().nonzero().flatten()
     table_index_BT = torch.cumsum(reached_BT.flatten(), dim=0) - 1
 
-    # Row b*C + p at step j is taught by flat position b*T + p + j (max(C, 1): with
-    # C = 0 there are no rows to divide).
-    table_rows = tuple(
-        table_index_BT[r + (r // max(C, 1)) * (T - C) + j] for j, r in enumerate(rows)
-    )
+    # Row b*C + p at step j is taught by flat position b*T + p + j: every step's rows
+    # at once (they lead flat_rows), split after.
+    step_rows = flat_rows[:sum(counts[:k])]
+    taught = step_rows + torch.repeat_interleave(
+        torch.arange(k, device=device), torch.tensor(counts[:k], device=device), output_size=step_rows.numel())
+    if T != C:  # (max(C, 1): with C = 0 there are no rows to divide)
+        taught = taught + (step_rows // max(C, 1)) * (T - C)
+    table_rows = tuple(table_index_BT.index_select(0, taught).split(counts[:k]))
     backbone_rows = (torch.arange(B * C, device=device),) + lists[k + 1:]
     return RowMap(
         rows=rows,

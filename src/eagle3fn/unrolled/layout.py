@@ -21,16 +21,17 @@ import torch
 
 from eagle3fn.align import document_starts
 from eagle3fn.shapes import Features, HostRows, RowMap
-from eagle3fn.unrolled.attention import PackedLayout, _key_len, packed_layout
+from eagle3fn.unrolled.attention import PackedLayout, _key_len, packed_layout, packed_layouts
 from eagle3fn.unrolled.config import DEFAULT_QUERY_BUCKETS
 from eagle3fn.unrolled.policy import computed_rows
 from eagle3fn.unrolled.runtime import one_thread
 
 
 def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``tensors`` (host, int32/int64) on ``device`` in one copy per dtype: packed into
-    one pinned buffer, each segment starting at a 64-byte boundary (compiled kernels
-    take them as inputs), sent with ``non_blocking``."""
+    """``tensors`` (host, int32/int64, any shapes) on ``device`` in one copy per dtype:
+    packed into one pinned buffer (one ``cat``), each segment starting at a 64-byte
+    boundary (compiled kernels take them as inputs), sent with ``non_blocking``, and
+    cut back into views of the device buffer (one ``split``) with the same shapes."""
     odd = {t.dtype for t in tensors} - {torch.int64, torch.int32}
     if odd:
         raise TypeError(f"_upload sends int32/int64 tensors only, got {sorted(map(str, odd))}")
@@ -40,23 +41,24 @@ def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Ten
         if not mine:
             continue
         align = 64 // torch.empty((), dtype=dtype).element_size()
-        sizes = [-(-tensors[i].numel() // align) * align for i in mine]
-        host = torch.zeros(sum(sizes), dtype=dtype, pin_memory=torch.cuda.is_available())
-        offsets = [sum(sizes[:n]) for n in range(len(mine))]
-        for i, o in zip(mine, offsets):
-            host[o:o + tensors[i].numel()] = tensors[i].flatten()
-        dev = host.to(device, non_blocking=True)
-        for i, o in zip(mine, offsets):
-            out[i] = dev[o:o + tensors[i].numel()].view(tensors[i].shape)
+        zeros = torch.zeros(align, dtype=dtype)
+        # Each tensor then the zeros that pad it to the alignment: one cat, one split.
+        sizes = [n for i in mine for n in (tensors[i].numel(), -tensors[i].numel() % align)]
+        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=torch.cuda.is_available())
+        torch.cat([x for i, pad in zip(mine, sizes[1::2]) for x in (tensors[i].reshape(-1), zeros[:pad])],
+                  out=host)
+        dev = host.to(device, non_blocking=True).split(sizes)
+        for i, piece in zip(mine, dev[::2]):
+            out[i] = piece.view(tensors[i].shape)
     return out
 
 
 def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """int64 host copies of ``tensors`` in one download (one host sync when they live on
-    a GPU; none when they are already on the host)."""
+    """``tensors`` as int64 host tensors: copied in one download (one host sync when
+    they live on a GPU); returned as they are when they are int64 host tensors already."""
+    if all(t.device.type == "cpu" and t.dtype == torch.int64 for t in tensors):
+        return list(tensors)
     sizes = [t.numel() for t in tensors]
-    if not tensors:
-        return []
     flat = torch.cat([t.to(torch.int64).flatten() for t in tensors]).cpu()
     return [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
 
@@ -95,10 +97,26 @@ def rowmap_to_device(rowmap: RowMap, device: torch.device, attention_mask_BT: to
 
 def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
                   query_buckets: int, starts_BC: torch.Tensor | None = None) -> list[PackedLayout | None]:
-    """``packed_layout`` of each step's rows (host tensors; ``None``: every row), None
-    for a step without rows; ``starts_BC``: a packed batch's document starts. The
-    every-row layout is built once and shared by the steps that use it (``trim`` none
-    / loss: every step)."""
+    """``packed_layout`` of each step's rows (host tensors ``[n_j]``; ``None``: every
+    row), None for a step without rows; ``starts_BC``: a packed batch's document starts
+    (int64 ``[B, C]``). All the steps' layouts in one batched pass
+    (``attention.packed_layouts``), equal tensor for tensor to
+    ``_host_layouts_per_step``. The every-row layout is built once and shared by the
+    steps that use it (``trim`` none / loss: every step)."""
+    B = lengths_B.numel()
+    every = [torch.arange(B * num_rows)] if any(r is None for r in rows) else []
+    own = [r for r in rows if r is not None and r.numel()]
+    built = iter(packed_layouts(every + own, lengths_B, num_rows, _key_len(B * num_rows), query_buckets,
+                                starts_BC))
+    shared = next(built) if every else None
+    return [shared if r is None else None if not r.numel() else next(built) for r in rows]
+
+
+def _host_layouts_per_step(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, num_rows: int,
+                           query_buckets: int, starts_BC: torch.Tensor | None = None) -> list[PackedLayout | None]:
+    """``_host_layouts``' readable twin: one ``packed_layout`` call per step (the
+    every-row one built once and shared); the oracle of the batched pass and the
+    benchmark's baseline (``benchmarks/plan_host.py``)."""
     Lp = _key_len(lengths_B.numel() * num_rows)
     every = None if all(r is not None for r in rows) else packed_layout(
         torch.arange(lengths_B.numel() * num_rows), lengths_B, num_rows, Lp, query_buckets, starts_BC)
@@ -151,6 +169,19 @@ def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(outer, inner).clamp_max(max(outer.numel() - 1, 0))
 
 
+def _insides(outer: Sequence[torch.Tensor], pairs: Sequence[tuple[int, torch.Tensor]],
+             size: int) -> list[torch.Tensor]:
+    """``[_inside(outer[i], inner) for i, inner in pairs]`` at once, for host int64 rows
+    in ``[0, size)``: ``searchsorted(outer_i, x)`` is the count of ``outer_i``'s
+    entries below x, an exclusive prefix sum of each outer list's counts (``[len(outer),
+    size]``, one ``bincount`` each), clamped as ``_inside`` clamps, then read at the
+    inner rows (one gather per pair, no binary search). Returns int64 tensors ``[len(inner)]``, one per pair."""
+    hits = torch.stack([torch.bincount(o, minlength=size) for o in outer])
+    cap = torch.tensor([max(o.numel() - 1, 0) for o in outer])[:, None]
+    below = torch.minimum(hits.cumsum(1) - hits, cap)
+    return [below[i].index_select(0, inner) for i, inner in pairs]
+
+
 def _sends_plan(device: torch.device) -> bool:
     """Whether ``_plan_steps`` uploads its host tensors (every device but the CPU; tests
     force it on the CPU to check the packing)."""
@@ -159,12 +190,20 @@ def _sends_plan(device: torch.device) -> bool:
 
 @one_thread
 def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
-                query_buckets: int = DEFAULT_QUERY_BUCKETS) -> _StepPlan:
+                query_buckets: int = DEFAULT_QUERY_BUCKETS, impl: str = "batched") -> _StepPlan:
     """The ``_StepPlan`` of a batch (``flex``: with the packed layouts of
     ``query_buckets``, ``TTTConfig.query_buckets``): on a GPU, the row lists it needs
     come down in one copy, and the layouts and positions go up in two, instead of a
-    few dozen tiny kernels per step."""
-    C = rowmap.num_rows
+    few dozen tiny kernels per step.
+
+    ``impl``: ``"batched"`` plans the k steps in one pass over their concatenated rows
+    (``_host_layouts``, ``_insides``: a few dozen host ops per batch); ``"per_step"``
+    is its readable twin, one ``packed_layout`` and two ``_inside`` per step (~140
+    host ops per step), kept as the tests' oracle and the benchmark's baseline. Both
+    give the same tensors."""
+    if impl not in ("batched", "per_step"):
+        raise ValueError(f"impl must be 'batched' or 'per_step', got {impl!r}")
+    B, C = rowmap.batch_size, rowmap.num_rows
     device = features.aux.device
     computed = computed_rows(rowmap) if trim == "backbone" else None
     packed = flex and features.positions is not None
@@ -186,10 +225,14 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
     if computed is not None:
         comp_h = [next(host) for _ in computed]
         rows_h = [next(host) for _ in rowmap.rows]
-        within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
-        at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
+        if impl == "batched":  # within[j]: comp_j inside comp_{j-1}; at[j]: rows_j inside comp_j
+            found = _insides(comp_h, list(enumerate(comp_h[1:])) + list(enumerate(rows_h)), B * C)
+            within, at = [None] + found[:len(comp_h) - 1], found[len(comp_h) - 1:]
+        else:
+            within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
+            at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
     if flex:
-        layouts = _host_layouts(comp_h if computed is not None else [None] * rowmap.ttt_length,
+        layouts = (_host_layouts if impl == "batched" else _host_layouts_per_step)(comp_h if computed is not None else [None] * rowmap.ttt_length,
                                 lengths_h, C, query_buckets, starts_h)
     if not _sends_plan(device):
         return _StepPlan(layouts, computed, within, at)
