@@ -70,18 +70,35 @@ def compile_on_cpu(backend: str = "aot_eager"):
         _CPU_BACKEND = before
 
 
-@functools.lru_cache(maxsize=4)
+DYNAMO_CACHE_SIZE_LIMIT = 64
+"""The least ``torch._dynamo.config.cache_size_limit`` (dynamo's recompile budget per
+function, shared by every ``torch.compile`` of the process, other libraries' too) an
+eagle3fn compile runs with (``configure_dynamo``)."""
+
+
+def configure_dynamo() -> None:
+    """Raise dynamo's recompile budget to at least ``DYNAMO_CACHE_SIZE_LIMIT`` in the
+    calling thread (never lowered). Past the budget dynamo silently runs a function
+    uncompiled (FlexAttention: its O(S^2)-memory path); a run needs one graph per dtype
+    and grad mode, this leaves room for others. Dynamo's config is per thread since
+    torch 2.12, so every thread that compiles calls this (``compiled_flex`` does, and
+    ``train.precompile``'s thread)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                DYNAMO_CACHE_SIZE_LIMIT)
+
+
 def compiled_flex(backend: str = "inductor"):
     """``torch.compile(flex_attention, dynamic=True)`` with ``backend``, built once
-    per process and backend. Raises ``torch._dynamo.config.cache_size_limit`` (dynamo's
-    recompile budget, shared by every ``torch.compile`` of the process, other
-    libraries' too) to at least 64 the first time; it is never lowered."""
+    per process and backend; raises the calling thread's recompile budget
+    (``configure_dynamo``) at every call."""
+    configure_dynamo()
+    return _compiled_flex(backend)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_flex(backend: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Every torch.compile(flex_attention) in the process (other libraries' too) shares
-    # one recompile budget; past it dynamo silently runs the unfused O(S^2)-memory
-    # path. A run needs one graph per dtype and grad mode; leave room for others.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return compiler(flex_attention, backend)
 
 

@@ -24,6 +24,7 @@ from eagle3fn.parallel import (Layout, build_layout, distribute_like, full, full
                                init_distributed, is_main, load_optimizer_state, shard)
 from eagle3fn.train.checkpoint import CHECKPOINT, check_resume, read_checkpoint, run_fingerprint, save_checkpoint
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.precompile import Precompile, start_precompile
 from eagle3fn.train.sources import Source, compute_dtype, load_target_for, offline_source, online_source, prompt_of
 from eagle3fn.unrolled import TTTConfig
 
@@ -128,7 +129,8 @@ class Run:
     (DTensor shards over every rank under torchrun), ``layout`` the mesh or None,
     ``total`` the optimizer steps, ``step, epoch, pos`` where the data order stands,
     ``skipped`` the non-finite batches dropped so far, ``saved_step`` the step of the
-    checkpoint in ``out`` (None: none yet)."""
+    checkpoint in ``out`` (None: none yet), ``precompile`` the draft step compiling in
+    the background (``--precompile``; the loop joins it before the first step)."""
 
     cfg: TrainConfig
     device: torch.device
@@ -155,6 +157,7 @@ class Run:
     skipped: int = 0
     saved_step: int | None = None
     whole: dict = dataclasses.field(default_factory=dict)
+    precompile: Precompile | None = None
 
     @property
     def dp(self) -> int:
@@ -206,6 +209,21 @@ def _parallel(cfg: TrainConfig, device: torch.device) -> tuple[Layout | None, to
     return layout, device
 
 
+def _start_precompile(cfg: TrainConfig, device: torch.device, model_config, precision: torch.dtype,
+                      master: torch.dtype) -> Precompile | None:
+    """``--precompile``: the draft step's graphs compiling in the background from the
+    target's config.json alone (its vocab size stands for the head's rows), before the
+    target loads (``train.precompile``)."""
+    if not cfg.precompile:
+        return None
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, text.vocab_size, max_length=cfg.max_length)
+    ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
+                        **cfg.ttt.config_fields())
+    return start_precompile(cfg, device, ttt_cfg, target_hidden=text.hidden_size, master=master,
+                            dtype=precision)
+
+
 def build_run(cfg: TrainConfig, device: torch.device, out: Path,
               log: Callable[[str], None]) -> Run:
     """Sources, draft, vocab map, parameters, optimizer, and the checkpoint's state when
@@ -213,11 +231,27 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     rewritten). ``cfg`` has passed ``check_paths`` and ``check_draft_shape``."""
     from transformers import AutoConfig
 
-    from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
-
     layout, device = _parallel(cfg, device)
     if not is_main():  # messages: rank 0 only
         log = lambda s: None  # noqa: E731
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    model_config = AutoConfig.from_pretrained(cfg.model, **kwargs)
+    precision = compute_dtype(cfg, device)
+    master = torch.float64 if precision == torch.float64 else torch.float32
+    precompile = _start_precompile(cfg, device, model_config, precision, master)
+    try:
+        return _build(cfg, device, out, log, layout, model_config, precision, master, precompile)
+    except BaseException:
+        if precompile is not None:  # no compile left running behind a failed build
+            precompile.thread.join()
+        raise
+
+
+def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str], None], layout: Layout | None,
+           model_config, precision: torch.dtype, master: torch.dtype, precompile: Precompile | None) -> Run:
+    """``build_run`` after the mesh, the target's config and the precompile."""
+    from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
+
     if cfg.cache:  # the target is loaded only for its embedding and head
         from eagle3fn.io.cache import check_cache_for_training
 
@@ -228,12 +262,8 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
         (examples, source), (held, holdout) = offline_source(cfg, device)
     else:
         target, (examples, source), (held, holdout) = online_source(cfg, device)
-    precision = compute_dtype(cfg, device)
-    master = torch.float64 if precision == torch.float64 else torch.float32
     head, embed = target.lm_head.weight.detach(), target.embed_tokens
-    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-    draft_cfg = draft_config_for(AutoConfig.from_pretrained(cfg.model, **kwargs), cfg.draft_vocab_size,
-                                 head.shape[0], max_length=cfg.max_length)
+    draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, head.shape[0], max_length=cfg.max_length)
     d2t, t2d = resolve_vocab_map(cfg.vocab_map, examples, vocab_size=head.shape[0],
                                  draft_vocab_size=draft_cfg.draft_vocab_size)
     world = {"dp": layout.dp if layout else 1, "ring": cfg.parallel.ring, "ulysses": cfg.parallel.ulysses}
@@ -263,7 +293,7 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     run = Run(cfg=cfg, device=device, precision=precision, layout=layout, out=out, target=target,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,
-              fingerprint=fingerprint)
+              fingerprint=fingerprint, precompile=precompile)
     if state is not None:
         _restore(run, state)
         log(f"resumed {ckpt} at step {run.step} (epoch {run.epoch}, batch {run.pos})")

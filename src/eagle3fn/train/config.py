@@ -216,6 +216,14 @@ class TrainConfig:
     elementwise work (one graph for all of them, one extra compilation at the first
     batch). Off by default until it is timed on the GPU (docs/dataflow.md). Results
     differ only by rounding, so a run may resume with either."""
+    precompile: bool = False
+    """On CUDA: compile the draft step's graphs in a background thread while the target
+    and the data load (one forward and backward per trim path on a synthetic batch of the
+    run's shapes; ``train.precompile``), so the first step finds them compiled instead
+    of compiling them after the load. The run waits for it before its first step and
+    logs what it took (``precompile: ...``); a failed precompile is logged and the first
+    step compiles as without it. Results are bitwise the same either way. Off by default
+    until timed on the GPU (docs/benchmarks.md). Not under torchrun."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is NaN/Inf: ``error`` stops the run naming the
     step, the batch and the last good checkpoint (nothing non-finite is saved);
