@@ -117,32 +117,43 @@ def _range_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, ful
     ``lo[r]..hi[r]`` (which contains them), in increasing order; rows with ``active``
     0 list nothing. Returns int32 ``(num_partial [1, 1, R], partial [1, 1, R, width],
     num_full, full)`` (entries past a row's count are clamped columns, never read)."""
-    num_partial, partial, num_full, full = _range_lists(lo, hi, full_lo, full_hi, active, width)
-    return (num_partial[None, None], partial[None, None].contiguous(),
-            num_full[None, None], full[None, None].contiguous())
-
-
-def _range_lists(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
-                 active: torch.Tensor, width: int,
-                 limit: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """``_range_tables`` without the two leading unit dims: int32 ``(num_partial [R],
-    partial [R, width], num_full [R], full [R, width])``. ``limit`` (int64 ``[R, 1]``
-    or None: ``width``) is each row's own table width: its entries are clamped to
-    ``[0, limit - 1]``, so the first ``limit[r]`` columns of row ``r`` equal
-    ``_range_tables`` of width ``limit[r]`` (several tables of different widths
-    computed at once)."""
     num_full = (full_hi - full_lo + 1).clamp(min=0) * active
     has_full = num_full > 0
     below = torch.where(has_full, full_lo - lo, 0)  # partial columns before the full run
     above_start = torch.where(has_full, full_hi + 1, lo)
     num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1).clamp(min=0) * active
     i = torch.arange(width, device=lo.device)[None]
-    partial = torch.where(i < below[:, None], lo[:, None], (above_start - below)[:, None]) + i
-    if limit is None:
-        as_i32 = lambda x: x.clamp(0, width - 1).to(torch.int32)  # noqa: E731
-    else:
-        as_i32 = lambda x: torch.minimum(x.clamp_min(0), limit - 1).to(torch.int32)  # noqa: E731
-    return num_partial.to(torch.int32), as_i32(partial), num_full.to(torch.int32), as_i32(full_lo[:, None] + i)
+    partial = torch.where(i < below[:, None], lo[:, None] + i, above_start[:, None] + i - below[:, None])
+    as_i32 = lambda x: x.clamp(0, width - 1).to(torch.int32)[None, None].contiguous()  # noqa: E731
+    return (num_partial.to(torch.int32)[None, None], as_i32(partial),
+            num_full.to(torch.int32)[None, None], as_i32(full_lo[:, None] + i))
+
+
+def _range_lists(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
+                 active: torch.Tensor, width: int,
+                 limit: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``_range_tables``' lists for the batched tables (``_segment_block_tables``),
+    without the two leading unit dims: int32 ``(num_partial [R], partial [R, width],
+    num_full [R], full [R, width])``, the ``[R, width]`` ones computed in int32 (the
+    values are block indices). ``limit`` (int32 ``[R, 1]`` or None: ``width``) is each
+    row's own table width: its entries are clamped to ``[0, limit - 1]``, so the first
+    ``limit[r]`` columns of row ``r`` are ``_range_tables``' of width ``limit[r]``
+    (tables of several widths computed at once)."""
+    num_full = (full_hi - full_lo + 1).clamp(min=0) * active
+    has_full = num_full > 0
+    below = torch.where(has_full, full_lo - lo, 0)  # partial columns before the full run
+    above_start = torch.where(has_full, full_hi + 1, lo)
+    num_partial = torch.where(has_full, below + hi - full_hi, hi - lo + 1).clamp(min=0) * active
+    i = torch.arange(width, dtype=torch.int32, device=lo.device)[None]
+    column = lambda x: x.to(torch.int32)[:, None]  # noqa: E731
+    partial = torch.where(i < column(below), column(lo), column(above_start - below)) + i
+    full = column(full_lo) + i
+    for x in (partial, full):
+        if limit is None:
+            x.clamp_(0, width - 1)
+        else:
+            torch.minimum(x.clamp_(min=0), limit - 1, out=x)
+    return num_partial.to(torch.int32), partial, num_full.to(torch.int32), full
 
 
 def _transposed_tables(lo: torch.Tensor, hi: torch.Tensor, full_lo: torch.Tensor, full_hi: torch.Tensor,
@@ -369,7 +380,8 @@ def _segment_block_tables(start: torch.Tensor, last: torch.Tensor, sizes: list[i
         kv_t, q_t = zip(*(t.split([len(g), S * NB]) for t in both))
     else:
         widest = max(blocks)
-        width = None if all(m == widest for m in blocks) else _per_segment([blocks], [NB] * S, device).view(-1, 1)
+        width = None if all(m == widest for m in blocks) else _per_segment(
+            [blocks], [NB] * S, device).view(-1, 1).to(torch.int32)
         kv_t, q_t = _range_lists(*kv, NB), _range_lists(*q, widest, width)
         if width is not None:  # each sequence's first M_s columns, packed back to back
             keep = torch.arange(widest, device=device)[None] < width

@@ -43,13 +43,20 @@ def _upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Ten
         align = 64 // torch.empty((), dtype=dtype).element_size()
         zeros = torch.zeros(align, dtype=dtype)
         # Each tensor then the zeros that pad it to the alignment: one cat, one split.
-        sizes = [n for i in mine for n in (tensors[i].numel(), -tensors[i].numel() % align)]
+        pieces, sizes, at = [], [], []
+        for i in mine:
+            n, pad = tensors[i].numel(), -tensors[i].numel() % align
+            at.append(len(pieces))
+            pieces.append(tensors[i] if tensors[i].dim() == 1 else tensors[i].reshape(-1))
+            sizes.append(n)
+            if pad:
+                pieces.append(zeros[:pad])
+                sizes.append(pad)
         host = torch.empty(sum(sizes), dtype=dtype, pin_memory=torch.cuda.is_available())
-        torch.cat([x for i, pad in zip(mine, sizes[1::2]) for x in (tensors[i].reshape(-1), zeros[:pad])],
-                  out=host)
+        torch.cat(pieces, out=host)
         dev = host.to(device, non_blocking=True).split(sizes)
-        for i, piece in zip(mine, dev[::2]):
-            out[i] = piece.view(tensors[i].shape)
+        for i, a in zip(mine, at):
+            out[i] = dev[a] if tensors[i].dim() == 1 else dev[a].view(tensors[i].shape)
     return out
 
 
