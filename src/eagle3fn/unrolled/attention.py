@@ -271,8 +271,9 @@ def packed_layouts(rows: list[torch.Tensor], lengths_B: torch.Tensor, num_rows: 
     pass: the lists' packed queries concatenated (``[sum_s Qp_s]``), their windows and
     block tables computed once with per-list offsets, then split. Every tensor equals
     ``packed_layout``'s in values, dtype, shape and strides (``start``/``last`` and the
-    tables are views of shared buffers): a few dozen ops for all the lists instead of
-    ~140 per list (the host plans a batch's k steps with it, ``layout._plan_steps``)."""
+    tables are views of shared buffers). The ops do not grow with the number of lists
+    but for one view per output tensor (the host plans a batch's k steps with it,
+    ``layout._plan_steps``); one list takes ``block_tables`` itself."""
     if not rows:
         return []
     device = rows[0].device

@@ -8,7 +8,9 @@ rows step j computes (``computed_rows``), Lp = ``B*C`` rounded up to the flex bl
 What is planned: per step, the flex path's ``PackedLayout`` (query windows, from each
 query's document start in a packed batch, and block tables); under ``trim="backbone"``
 the positions of step j's computed rows inside step j-1's (``within``) and of
-``rows_j`` inside step j's (``at``).
+``rows_j`` inside step j's (``at``). All k steps in one batched pass over their
+concatenated rows (``attention.packed_layouts``, ``_insides``), not k passes: the host
+runs this before every step, on the training thread.
 """
 
 from __future__ import annotations
@@ -179,14 +181,13 @@ def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
 def _insides(outer: Sequence[torch.Tensor], pairs: Sequence[tuple[int, torch.Tensor]],
              size: int) -> list[torch.Tensor]:
     """``[_inside(outer[i], inner) for i, inner in pairs]`` at once, for host int64 rows
-    in ``[0, size)``: ``searchsorted(outer_i, x)`` is the count of ``outer_i``'s
-    entries below x, an exclusive prefix sum of each outer list's counts (``[len(outer),
-    size]``, one ``bincount`` each), clamped as ``_inside`` clamps, then read at the
-    inner rows (one gather per pair, no binary search). Returns int64 tensors ``[len(inner)]``, one per pair."""
-    hits = torch.stack([torch.bincount(o, minlength=size) for o in outer])
-    cap = torch.tensor([max(o.numel() - 1, 0) for o in outer])[:, None]
-    below = torch.minimum(hits.cumsum(1) - hits, cap)
-    return [below[i].index_select(0, inner) for i, inner in pairs]
+    in ``[0, size)``, without a binary search: ``searchsorted(outer_i, x)`` is the count
+    of ``outer_i``'s entries below x, a prefix sum of each outer list's counts shifted
+    by one (``[len(outer), size + 1]``, one ``bincount`` each), read at the inner rows
+    and clamped as ``_inside`` clamps. Returns int64 tensors ``[len(inner)]``, one per
+    pair."""
+    below = torch.stack([torch.bincount(o + 1, minlength=size + 1) for o in outer]).cumsum(1)
+    return [below[i].index_select(0, inner).clamp_max_(max(outer[i].numel() - 1, 0)) for i, inner in pairs]
 
 
 def _sends_plan(device: torch.device) -> bool:
@@ -204,10 +205,10 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
     few dozen tiny kernels per step.
 
     ``impl``: ``"batched"`` plans the k steps in one pass over their concatenated rows
-    (``_host_layouts``, ``_insides``: a few dozen host ops per batch); ``"per_step"``
-    is its readable twin, one ``packed_layout`` and two ``_inside`` per step (~140
-    host ops per step), kept as the tests' oracle and the benchmark's baseline. Both
-    give the same tensors."""
+    (``_host_layouts``, ``_insides``); ``"per_step"`` is its readable twin, one
+    ``packed_layout`` and two ``_inside`` per step, kept as the tests' oracle and the
+    benchmark's baseline (benchmarks/plan_host.py: ~400 dispatched ops against ~1100 for
+    k = 7 under ``trim="backbone"``). Both give the same tensors."""
     if impl not in ("batched", "per_step"):
         raise ValueError(f"impl must be 'batched' or 'per_step', got {impl!r}")
     B, C = rowmap.batch_size, rowmap.num_rows
@@ -239,8 +240,9 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
             within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
             at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
     if flex:
-        layouts = (_host_layouts if impl == "batched" else _host_layouts_per_step)(comp_h if computed is not None else [None] * rowmap.ttt_length,
-                                lengths_h, C, query_buckets, starts_h)
+        lay = _host_layouts if impl == "batched" else _host_layouts_per_step
+        layouts = lay(comp_h if computed is not None else [None] * rowmap.ttt_length, lengths_h, C, query_buckets,
+                      starts_h)
     if not _sends_plan(device):
         return _StepPlan(layouts, computed, within, at)
     moved = (_layout_tensors(layouts) if flex else []) + (
