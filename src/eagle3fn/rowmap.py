@@ -26,11 +26,11 @@ def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int,
                   positions_BT: torch.Tensor | None) -> torch.Tensor:
     """``win[j, b, p] = mask[b, p + j]`` and ``positions[b, p + j] >= j`` (False past
     T): bool ``[k, B, C]``, every step from one sliding window (``unfold``)."""
-    win = F.pad(mask_BT, (0, ttt_length)).unfold(1, ttt_length, 1)[:, :num_rows]  # [B, C, k]
+    win = F.pad(mask_BT, (0, ttt_length)).unfold(1, num_rows, 1)[:, :ttt_length]  # [B, k, C]
     if positions_BT is not None:
-        pos = F.pad(positions_BT, (0, ttt_length), value=-1).unfold(1, ttt_length, 1)[:, :num_rows]
-        win = win & (pos >= torch.arange(ttt_length, device=mask_BT.device))
-    return win.permute(2, 0, 1).contiguous()
+        pos = F.pad(positions_BT, (0, ttt_length), value=-1).unfold(1, num_rows, 1)[:, :ttt_length]
+        win = win & (pos >= torch.arange(ttt_length, device=mask_BT.device)[:, None])
+    return win.transpose(0, 1).contiguous()
 
 
 def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None, *,
