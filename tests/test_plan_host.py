@@ -154,7 +154,9 @@ def _rowmap(name: str, device_built: bool = False):
 @pytest.mark.parametrize("name", list(CASES))
 def test_batched_plan_equals_the_per_step_one(name, trim):
     """``_plan_steps`` (batched) and its ``per_step`` twin both equal the per-step oracle,
-    bitwise, on the host twin's path; for none / loss every step shares one layout."""
+    bitwise, on the host twin's path; for none / loss every step shares one layout. The
+    batched plan kept on the host owns its tensors (compiled attention on the CPU guards
+    a view's base: tests/test_stable_shapes.py)."""
     f, rm, qb = _rowmap(name)
     want = oracle(rm, trim, f, True, qb)
     for impl in ("batched", "per_step"):
@@ -162,6 +164,9 @@ def test_batched_plan_equals_the_per_step_one(name, trim):
         assert differences(plan, want) == [], (impl, differences(plan, want)[:5])
         if trim != "backbone":
             assert all(lay is plan.layouts[0] for lay in plan.layouts)
+        if impl == "batched":  # kept on the host: own storages, not views of the pass's buffers
+            owned = [t for lay in plan.layouts if lay is not None for t in (lay.start, lay.last, *lay.tables)]
+            assert all(t._base is None and t.storage_offset() == 0 for t in owned)
     if name == "dead-steps" and trim == "backbone":  # the shape's point: some steps without rows
         assert any(lay is None for lay in want[1]) and any(lay is not None for lay in want[1])
     if name == "one-doc-deep" and trim == "backbone":  # the deep steps' rows all lie in one document

@@ -143,6 +143,18 @@ def _layout_tensors(layouts: Sequence[PackedLayout | None]) -> list[torch.Tensor
     return [t for lay in _distinct(layouts) for t in (lay.start, lay.last, *lay.tables)]
 
 
+def _owned(layouts: Sequence[PackedLayout | None]) -> list[PackedLayout | None]:
+    """The layouts with every tensor in a storage of its own (a copy; a shared layout
+    stays shared): the batched pass's tensors are views of a few buffers, and dynamo
+    guards a view's base and storage offset, so compiled attention on the host's own
+    device (the CPU, ``compile_on_cpu``) would recompile when they change. A sent plan
+    is rebuilt from the device buffer instead (``_rebuild_layouts``)."""
+    copies = {id(lay): PackedLayout(lay.num_queries, lay.start.clone(), lay.last.clone(),
+                                    tuple(t.clone() for t in lay.tables))
+              for lay in _distinct(layouts)}
+    return [None if lay is None else copies[id(lay)] for lay in layouts]
+
+
 def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[PackedLayout | None]:
     """The layouts with their tensors taken in order from the iterator ``sent``
     (``_layout_tensors``' order); a layout shared by steps stays shared."""
@@ -244,7 +256,7 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
         layouts = lay(comp_h if computed is not None else [None] * rowmap.ttt_length, lengths_h, C, query_buckets,
                       starts_h)
     if not _sends_plan(device):
-        return _StepPlan(layouts, computed, within, at)
+        return _StepPlan(_owned(layouts) if flex and impl == "batched" else layouts, computed, within, at)
     moved = (_layout_tensors(layouts) if flex else []) + (
         [w for w in within[1:]] + at if computed is not None else [])
     sent = iter(_upload(moved, device))
