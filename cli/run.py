@@ -30,7 +30,7 @@ class ExportArgs:
     """eagle3: the LlamaForCausalLMEagle3 directory SGLang and vLLM load as a draft
     (their speculative draft model path). speculators: the
     vllm-project speculators layout (its Eagle3DraftModel.from_pretrained, vllm serve
-    <out>); it ships the target's embedding (the target is loaded to read it) and names
+    <out>); it ships the target's embedding (read from its weights by name) and names
     the target's path as its verifier. docs/export.md says which versions are tested."""
     best: bool = False
     """Export checkpoint-best.pt (the step with the highest held-out acceptance length,
@@ -70,12 +70,14 @@ def export(args: ExportArgs) -> None:
 
 
 def _export_speculators(args: ExportArgs, run: dict, common: dict):
-    """``export_speculators`` of a run: the target is loaded for its embedding (the
-    speculators layout ships it) and named by its absolute path as the verifier."""
+    """``export_speculators`` of a run: the target's embedding (the speculators layout
+    ships it) read from its weights by name (``io.target.load_embedding_and_head``; the
+    whole target only where the names cannot be matched), and the target named by its
+    absolute path as the verifier."""
     import os
 
     from eagle3fn.io.export import export_speculators
-    from eagle3fn.io.target import load_target
+    from eagle3fn.io.target import load_embedding_and_head, load_target
 
     cfg = run["config"]
     if not cfg.get("model") or cfg.get("gguf_file"):
@@ -83,8 +85,11 @@ def _export_speculators(args: ExportArgs, run: dict, common: dict):
         raise UsageError(
             f"--format speculators needs the target's safetensors directory (speculators "
             f"reads its verifier from there); this run has {what}: use --format eagle3")
-    target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"],
-                         **_run_target(cfg, weights=True, tokenizer=False))
+    kwargs = _run_target(cfg, weights=True, tokenizer=False)
+    target = load_embedding_and_head(cfg["model"], aux_layer_ids=run["aux_layer_ids"], dtype=torch.float32,
+                                     device="cpu")
+    if isinstance(target, str):  # names not matched: the whole target, for its embedding
+        target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], **kwargs)
     params = {**run["params"], "embed_tokens.weight": target.embed_tokens.float()}
     return export_speculators(args.out, params, run["draft"], target_path=os.path.abspath(cfg["model"]),
                               **common)

@@ -281,6 +281,11 @@ class TargetModel:
     compiled_layers: tuple[Callable | None, ...] | None = None
 
     @property
+    def head_weight(self) -> torch.Tensor:
+        """The lm_head weight ``[V, Ht]``, detached."""
+        return self.lm_head.weight.detach()
+
+    @property
     def embed_tokens(self) -> torch.Tensor:
         """The input embedding weight ``[V, Ht]`` (for the draft's frozen copy).
 
@@ -376,6 +381,121 @@ def load_target(
     vocab_size, hidden_size = lm_head.weight.shape
     return TargetModel(model=model, backbone=backbone, lm_head=lm_head, aux_layer_ids=ids,
                        num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    """The two tensors of a target that an offline run needs (``load_embedding_and_head``),
+    in place of a loaded ``TargetModel``.
+
+    Fields:
+        embed_tokens: the input embedding weight ``[V, Ht]`` (the draft's frozen copy).
+        head_weight: the lm_head weight ``[V, Ht]`` (the draft's head starts as its
+            draft-vocab rows).
+        aux_layer_ids: the cache's three aux layer ids (for the checkpoint).
+        source: the weight files and keys the two came from (for messages).
+    """
+
+    embed_tokens: torch.Tensor
+    head_weight: torch.Tensor
+    aux_layer_ids: tuple[int, int, int]
+    source: str
+
+
+def _checkpoint_keys(path: Path) -> dict[str, Path]:
+    """Every tensor name of a safetensors checkpoint directory and the file holding it
+    (from ``model.safetensors.index.json`` when present); empty for other formats."""
+    import json
+
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update((k, file) for k in f.keys())
+    return out
+
+
+def _match_key(name: str, keys: dict[str, Path]) -> str | None:
+    """The checkpoint key of the module parameter ``name``: itself, else the only key
+    ending with its last 2, 3, ... components (checkpoints of older transformers name
+    a wrapper's parts differently, e.g. ``language_model.model.embed_tokens.weight``
+    for ``model.language_model.embed_tokens.weight``); None when none or several do."""
+    if name in keys:
+        return name
+    parts = name.split(".")
+    for n in range(2, len(parts) + 1):
+        tail = "." + ".".join(parts[-n:])
+        hits = [k for k in keys if k.endswith(tail) or k == tail[1:]]
+        if len(hits) == 1:
+            return hits[0]
+        if not hits:
+            return None
+    return None
+
+
+def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dtype,
+                            device: torch.device | str) -> TargetWeights | str:
+    """The input embedding and the lm_head weight of the target in ``path``, read from
+    its safetensors files by name, without building or loading the rest of the model:
+    what training from an offline cache needs of a target (its layers ran in
+    ``eagle3fn prepare``), a few hundred MB instead of the whole model.
+
+    The names come from the model class built on the meta device (the same class and
+    the same ``find_text_backbone`` / ``find_lm_head`` / ``get_input_embeddings`` that
+    ``load_target`` uses, and its head checks); a tied head reads the embedding. The
+    tensors are cast to ``dtype`` on ``device`` as ``load_target`` casts the model, so
+    they are the same values.
+
+    Returns:
+        ``TargetWeights`` (``embed_tokens``, ``head_weight`` ``[V, Ht]``), or a string
+        saying why the names could not be matched to one tensor each in the checkpoint
+        (no safetensors files, a key missing or ambiguous, a shape that differs): the
+        caller then loads the whole target with ``load_target``.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = check_model_dir(path)
+    keys = _checkpoint_keys(path)
+    if not keys:
+        return f"no safetensors weights in {path}"
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = _auto_class(config).from_config(config)
+    lm_head = find_lm_head(model)
+    _check_teacher_is_head(model, lm_head)
+    embed = find_backbone_attr(model, "get_input_embeddings")()
+    names = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), n)  # the first path to each module
+    name = lambda m: None if id(m) not in names else ".".join(filter(None, (names[id(m)], "weight")))  # noqa: E731
+    wanted = {"embedding": name(embed), "head": name(lm_head)}
+    tied = lm_head.weight is embed.weight
+    found = {}
+    for what, name in wanted.items():
+        key = None if name is None else _match_key(name, keys)
+        if key is None and what == "head" and (tied or getattr(config, "tie_word_embeddings", False)):
+            key = found.get("embedding")  # a tied head is saved once, as the embedding
+        if key is None:
+            return f"the {what} ({name}) matches no single tensor of {path}"
+        found[what] = key
+    tensors = {}
+    for what, key in found.items():
+        with safe_open(str(keys[key]), framework="pt") as f:
+            tensors[what] = f.get_tensor(key)
+    want = {"embedding": tuple(embed.weight.shape), "head": tuple(lm_head.weight.shape)}
+    for what, t in tensors.items():
+        if tuple(t.shape) != want[what]:
+            return f"{found[what]} in {path} has shape {tuple(t.shape)}, the model's {what} {want[what]}"
+    move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    embedding = move(tensors["embedding"])
+    head = embedding if found["head"] == found["embedding"] else move(tensors["head"])
+    return TargetWeights(embed_tokens=embedding, head_weight=head, aux_layer_ids=tuple(aux_layer_ids),
+                         source=f"{path}: {found['embedding']}, {found['head']}")
 
 
 def compile_decoder_layers(target: TargetModel) -> TargetModel:

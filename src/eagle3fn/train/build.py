@@ -25,7 +25,8 @@ from eagle3fn.parallel import (Layout, build_layout, distribute_like, full, full
 from eagle3fn.train.checkpoint import CHECKPOINT, check_resume, read_checkpoint, run_fingerprint, save_checkpoint
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.precompile import Precompile, start_precompile
-from eagle3fn.train.sources import Source, compute_dtype, load_target_for, offline_source, online_source, prompt_of
+from eagle3fn.train.sources import (Source, compute_dtype, offline_source, offline_target, online_source,
+                                    prompt_of)
 from eagle3fn.unrolled import TTTConfig
 
 
@@ -252,17 +253,17 @@ def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str
     """``build_run`` after the mesh, the target's config and the precompile."""
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
-    if cfg.cache:  # the target is loaded only for its embedding and head
+    if cfg.cache:  # the target's embedding and head, or the whole target to decode with it
         from eagle3fn.io.cache import check_cache_for_training
 
         aux = check_cache_for_training(cfg.cache, model_dir=cfg.model, gguf_file=cfg.gguf_file,
                                        aux_layer_ids=cfg.aux_layer_ids)
         cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(aux))
-        target = load_target_for(cfg, device)
+        target = offline_target(cfg, device, log)
         (examples, source), (held, holdout) = offline_source(cfg, device)
     else:
         target, (examples, source), (held, holdout) = online_source(cfg, device)
-    head, embed = target.lm_head.weight.detach(), target.embed_tokens
+    head, embed = target.head_weight, target.embed_tokens
     draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, head.shape[0], max_length=cfg.max_length)
     d2t, t2d = resolve_vocab_map(cfg.vocab_map, examples, vocab_size=head.shape[0],
                                  draft_vocab_size=draft_cfg.draft_vocab_size)

@@ -144,6 +144,27 @@ def load_target_for(cfg: TrainConfig, device: torch.device):
     return compile_decoder_layers(target) if cfg.compile_target else target
 
 
+def offline_target(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]):
+    """What an offline run needs of its target: its embedding and head only
+    (``io.target.load_embedding_and_head``: two tensors read by name, never the model's
+    layers, whose work the cache holds), or the whole target (``load_target_for``) when
+    the held-out evaluation decodes with it (``--eval-holdout`` with
+    ``--eval-accept-prompts``), when the target is a GGUF file, or when its checkpoint's
+    names cannot be matched (logged, with the reason)."""
+    from eagle3fn.io.target import load_embedding_and_head
+
+    if cfg.eval_holdout and cfg.eval_accept_prompts:
+        return load_target_for(cfg, device)
+    light = ("a GGUF target" if cfg.gguf_file else
+             load_embedding_and_head(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
+                                     dtype=compute_dtype(cfg, device)))
+    if isinstance(light, str):
+        log(f"offline: loading the whole target ({light}); only its embedding and head are used")
+        return load_target_for(cfg, device)
+    log(f"offline: the target's embedding and head only ({light.source}); the cache holds the rest")
+    return light
+
+
 def online_source(cfg: TrainConfig, device: torch.device):
     """The target, and ``(examples, Source)`` for training and for the held-out tail
     (the last ``eval_holdout`` conversations of the data). Each batch's inputs go to
