@@ -196,10 +196,14 @@ def test_batched_plan_survives_its_upload(monkeypatch):
 @pytest.mark.parametrize("lengths", [[300, 300, 300], [0, 300, 7]])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("query_buckets", [1, 4])
-def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets):
+@pytest.mark.parametrize("q_tables", [True, False], ids=["q-tables", "kv-only"])
+def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets, q_tables, monkeypatch):
     """``attention.packed_layouts`` of lists of many sizes (one row, one block, every
     row, buckets of different widths, a sample without real rows) equals
-    ``packed_layout`` of each list, bitwise."""
+    ``packed_layout`` of each list, bitwise; also for a torch whose ``BlockMask`` takes
+    the query-major tables only."""
+    if not q_tables:
+        monkeypatch.setattr(attention_module, "_block_mask_takes_q_tables", lambda: False)
     C, B = 300, len(lengths)
     g = torch.Generator().manual_seed(1)
     lists = [torch.randperm(B * C, generator=g)[:n].sort().values for n in (1, 5, 130, B * C // 3, B * C - 1)]
@@ -212,6 +216,7 @@ def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets):
         got = attention_module.packed_layouts(chosen, lengths, C, Lp, query_buckets, starts)
         for rows, lay in zip(chosen, got):
             want = attention_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)
+            assert len(want.tables) == (8 if q_tables else 4)
             assert differences(_one(lay), (None, [want], None, [])) == []
 
 
