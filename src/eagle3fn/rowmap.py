@@ -25,12 +25,13 @@ from eagle3fn.shapes import RowMap
 def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int,
                   positions_BT: torch.Tensor | None) -> torch.Tensor:
     """``win[j, b, p] = mask[b, p + j]`` and ``positions[b, p + j] >= j`` (False past
-    T): bool ``[k, B, C]``, every step from one sliding window (``unfold``)."""
+    T): bool ``[k, B, C]`` (a transposed view), every step from one sliding window
+    (``unfold``)."""
     win = F.pad(mask_BT, (0, ttt_length)).unfold(1, num_rows, 1)[:, :ttt_length]  # [B, k, C]
     if positions_BT is not None:
         pos = F.pad(positions_BT, (0, ttt_length), value=-1).unfold(1, num_rows, 1)[:, :ttt_length]
         win = win & (pos >= torch.arange(ttt_length, device=mask_BT.device)[:, None])
-    return win.transpose(0, 1).contiguous()
+    return win.transpose(0, 1)
 
 
 def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None, *,
@@ -75,11 +76,14 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
     k = ttt_length
     device = mask.device
 
-    win_kBC = _step_windows(mask, k, C, positions)
-    # Rows any step >= j still needs: a suffix OR over the step windows.
-    need_kBC = win_kBC.flip(0).to(torch.int32).cumsum(dim=0).flip(0) > 0
+    # flags[:k]: the step windows; flags[k:]: the rows any step >= j still needs (a
+    # suffix OR over the windows: j below 1 + the deepest step whose window holds the row).
+    flags = torch.empty(2 * k, B, C, dtype=torch.bool, device=device)
+    flags[:k] = _step_windows(mask, k, C, positions)
+    steps = torch.arange(1, k + 1, dtype=torch.int32, device=device)[:, None, None]
+    torch.lt(steps - 1, (flags[:k] * steps).amax(0), out=flags[k:])
     # Every row list from one nonzero (two host syncs in all, not one per list).
-    flags = torch.cat([win_kBC.flatten(1), need_kBC.flatten(1)])  # [2k, B*C]
+    flags = flags.view(2 * k, B * C)
     counts = flags.sum(dim=1).tolist()
     flat_rows = flags.nonzero()[:, 1].contiguous()
     lists = flat_rows.split(counts)
