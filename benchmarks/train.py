@@ -98,6 +98,40 @@ Measured per run (JSON ``results`` rows; ``methods`` in the JSON says the same):
 - ``vs_specforge``: ``tokens_per_s`` over the SpecForge loop's of the same loop kind
   (online runs against online SpecForge; offline against offline, else online).
 
+Where the warm-up and the host time go (these options run on the CPU too):
+
+    python benchmarks/train.py --shape llama-3.1-8b --loops offline --modes auto --packs True \\
+        --steps 12 --warmup-steps 9 --batch-size 4 --max-length 2048 --no-specforge \\
+        --first-steps 2 --profile-steps 8 --profile-stacks --trace-dir traces --out train-8b-first.json
+    python benchmarks/trace_summary.py --trace traces/offline-auto_pack-step8.trace.json.gz --out step8.json
+
+- ``first_steps`` (``--first-steps N``, default 2; no profiler): each of the first N
+  steps' wall time split into phases, each started and ended by a device sync:
+  ``batch_s`` (the batch load: online the target forward; offline the wait for the
+  prefetched shard and its copy; the row map), ``forward_s`` (the draft's
+  ``eagle3fn.unrolled.ttt``, where dynamo traces and compiles the forward graphs),
+  ``backward_s`` (where the backward graphs compile), ``optimizer_s``, ``rest_s``
+  (the rest of ``wall_s``), and ``python`` (``--sample-ms``, default 5): the
+  training thread's Python stack sampled through those steps, seconds per package
+  (``torch/_dynamo``, ``torch/_inductor``, ``triton``, ``transformers``,
+  ``eagle3fn``, ``builtins``...) and per function. ``train_probe.PhaseClock`` and
+  ``StackSampler`` wrap and watch the loop in the eagle3fn process; src/eagle3fn is
+  not changed. This is the cheap way to see where a first step's seconds go.
+- ``profiles`` (``--profile-steps K ...``; ``--profile-step K`` is one of them): one
+  record per profiled step, its trace ``<loop>-<mode>-step<K>.trace.json.gz``. Step
+  1 works (its compilation included; no sync-sites step precedes it).
+  ``--profile-stacks`` records every Python call in the trace (torch.profiler
+  ``with_stack``; trace_summary's ``python`` block): fine for a steady step (host
+  time by function), but on a compiling step it costs tens of times the step and
+  GBs (on the CPU, an ``aot_eager`` compile of 1.4 s took 40 s under it, then 77 s
+  to export: 2.3 M events, 660 MB of JSON, 41 MB gzipped), so profile step 1 with
+  stacks only for a small compile, and read it from ``first_steps`` otherwise.
+- ``compile_log``: the run's log lines starting with ``precompile:`` or
+  ``compiling:``; ``precompile_s`` / ``precompile_wait_s`` parse ``compiled in X s``
+  / ``waited Y s`` from the precompile line (null without one). Compare runs by
+  ``to_steady_s`` (launch to steady state): compiling during the load moves time from
+  the warm-up into the startup.
+
 Synthetic data (``PROFILES``; ``--data-profile``, default ``prompt-heavy``):
 
 - Turns per conversation and tokens per user / assistant turn follow WildChat's
@@ -151,8 +185,9 @@ from typing import Literal
 
 from train_data import (PROFILES, data_summary, padding_fraction, sample_conversations, step_batches,  # noqa: F401
                         write_jsonl)
-from train_probe import (BENCH_DIR, METHODS, PROFILE_STEP_ENV, ROOT, TRACE_ENV, GpuSampler, RecompileCounter,  # noqa: F401
-                         _python, matmul_tflops, probe, run_eagle3fn, run_prepare, step_flops, summarise)
+from train_probe import (BENCH_DIR, METHODS, ROOT, GpuSampler, RecompileCounter, _python,  # noqa: F401
+                         compile_log, matmul_tflops, probe, probe_env, run_eagle3fn, run_prepare, step_flops,
+                         summarise)
 from train_specforge import specforge_loop
 from train_target import FIRST_WORD, SHAPES, Shape, build_target, word_tokenizer  # noqa: F401
 
@@ -213,17 +248,36 @@ class BenchArgs:
     warm_compile_cache: bool = False
     """Let runs share inductor's and Triton's on-disk caches (default: each run starts
     with empty ones, so its warm-up includes every compilation, as a user's first run)."""
+    profile_steps: tuple[int, ...] = ()
+    """Run these optimizer steps (1-based) of every eagle3fn run under torch.profiler and
+    report where each one's wall time went (``profiles``, one record per step: device
+    busy time, kernel launches, ATen calls, top events; ``train_probe.profiled``), and
+    the step before each (when it exists and is not profiled too) with CUDA's
+    synchronisation debug mode (the record's ``sync_sites``: the call stacks where the
+    host waited for the device; ``train_probe.sync_sites``). Step 1 is the first step,
+    its compilation included. Both slow their steps, so keep them in the warm-up
+    window to keep the rates clean. Empty: none."""
     profile_step: int = 0
-    """Run this optimizer step (1-based) of every eagle3fn run under torch.profiler and
-    report where its wall time went (``profile``: device busy time, kernel launches,
-    ATen calls, top events; ``train_probe.profiled``), and the step before it with CUDA's
-    synchronisation debug mode (``sync_sites``: the call stacks where the host waited
-    for the device; ``train_probe.sync_sites``). 0: none. Both slow their steps, so pick
-    the warm-up window's last step to keep the rates clean."""
+    """One step to profile, as one entry of ``--profile-steps`` (0: none)."""
+    profile_stacks: bool = False
+    """Record Python stacks in the profiled steps (torch.profiler ``with_stack``): their
+    traces then hold every Python call, so ``benchmarks/trace_summary.py`` can tell
+    which functions (dynamo, inductor, triton, transformers, eagle3fn) the host time
+    went to. Needs ``--trace-dir``. A compiling step (step 1) runs tens of times slower
+    under it, with a trace of GBs (module docstring): use ``--sample-ms`` there."""
+    first_steps: int = 2
+    """Time the first N steps of every eagle3fn run phase by phase, each phase ended by
+    a device sync (``first_steps``: batch load, draft forward, backward, optimizer;
+    ``train_probe.PhaseClock``). 0: none."""
+    sample_ms: float = 5.0
+    """During those first steps, sample the training thread's Python stack every this
+    many ms (``first_steps[i].python``: seconds per package and per function,
+    ``train_probe.StackSampler``; about one stack walk per sample). 0: none."""
     trace_dir: str | None = None
-    """With ``--profile-step``: also write each run's profiled step as a gzipped Chrome
-    trace ``<trace-dir>/<loop>-<mode>.trace.json.gz``, ``+`` written ``_`` (for chrome://tracing or Perfetto:
-    the gaps between kernels are the host time)."""
+    """With ``--profile-steps``: also write each run's profiled steps as gzipped Chrome
+    traces ``<trace-dir>/<loop>-<mode>-step<K>.trace.json.gz``, ``+`` written ``_`` (for
+    chrome://tracing or Perfetto: the gaps between kernels are the host time; summarised
+    by ``benchmarks/trace_summary.py``)."""
     out: str | None = None
     """Write the results here as JSON (rewritten after every run)."""
 
@@ -272,6 +326,25 @@ class Bench:
                 "--draft-vocab-size", str(self.shape.draft_vocab), "--ttt-length", str(a.ttt_length),
                 "--lr", str(a.lr), "--seed", str(a.seed), "--device", self.device, "--save-every", str(10**9),
                 "--log-every", "1", "--pack" if pack else "--no-pack", *shlex.split(a.train_args)]
+
+
+def check_profiling(args: BenchArgs) -> None:
+    """The profiling options make sense together (SystemExit naming the value and the
+    fix), before anything is built."""
+    steps = profile_steps(args)
+    if any(not 1 <= k <= args.steps for k in steps):
+        raise SystemExit(f"--profile-steps {' '.join(map(str, steps))}: each step must be in 1..{args.steps} "
+                         "(--steps); pass steps of the run")
+    if args.profile_stacks and not (steps and args.trace_dir):
+        raise SystemExit("--profile-stacks: the stacks are only kept in the traces; also pass --profile-steps K "
+                         "and --trace-dir DIR")
+    if args.trace_dir and not steps:
+        raise SystemExit(f"--trace-dir {args.trace_dir}: traces are written of profiled steps only; also pass "
+                         "--profile-steps K")
+    if args.first_steps < 0:
+        raise SystemExit(f"--first-steps {args.first_steps}: pass 0 (none) or more")
+    if args.sample_ms < 0:
+        raise SystemExit(f"--sample-ms {args.sample_ms}: pass 0 (no sampling) or a period in ms")
 
 
 def resolve(args: BenchArgs) -> tuple[BenchArgs, Shape, Path]:
@@ -353,12 +426,18 @@ def per_token_floors(bench: Bench, loop: str, steps: list[dict]) -> list[tuple[f
     return [(dense * s["tokens"], trimmed * s["tokens"]) for s in steps]
 
 
+def profile_steps(args: BenchArgs) -> list[int]:
+    """The steps to profile: ``--profile-steps`` and ``--profile-step``, sorted."""
+    return sorted(set(args.profile_steps) | ({args.profile_step} if args.profile_step else set()))
+
+
 def _trace_path(bench: Bench, name: str) -> str:
-    """Where a run's profiled step goes as a Chrome trace ("" for none: ``--trace-dir``)."""
-    if not bench.args.trace_dir or not bench.args.profile_step:
+    """Where a run's profiled steps go as Chrome traces, ``{step}`` standing for the
+    step ("" for none: ``--trace-dir``)."""
+    if not bench.args.trace_dir or not profile_steps(bench.args):
         return ""
     Path(bench.args.trace_dir).mkdir(parents=True, exist_ok=True)
-    return str(Path(bench.args.trace_dir) / f"{name.replace('+', '_')}.trace.json.gz")
+    return str(Path(bench.args.trace_dir) / f"{name.replace('+', '_')}-step{{step}}.trace.json.gz")
 
 
 def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False) -> dict:
@@ -377,8 +456,11 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
                                                  record=bench.work / "logs" / f"{name}.json", gpu=bench.gpu,
                                                  smi_ms=bench.args.smi_period_ms,
                                                  env={**bench.compile_env(name),
-                                                      PROFILE_STEP_ENV: str(bench.args.profile_step),
-                                                      TRACE_ENV: _trace_path(bench, name)})
+                                                      **probe_env(profile_steps=profile_steps(bench.args),
+                                                                  trace=_trace_path(bench, name),
+                                                                  stacks=bench.args.profile_stacks,
+                                                                  first_steps=bench.args.first_steps,
+                                                                  sample_ms=bench.args.sample_ms)})
         steps = record["steps"]
         expected = [sum(len(e) for e in b) for b in bench.batches]
         match = [s["tokens"] for s in steps] == expected[:len(steps)]
@@ -387,9 +469,14 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
         row.update(summarise(steps, warmup=bench.args.warmup_steps, launched=launched,
                              ceiling_tflops=bench.ceiling, floors=floors, before=record.get("before_first_step")),
                    batches_match=match, recompile_examples=record["recompile_examples"],
-                   compile_profile=record.get("compile_profile"), profile=record.get("profile"),
-                   sync_sites=record.get("sync_sites"),
-                   warmup_step_s=[round(s["t_end"] - s["t_start"], 2) for s in steps[:bench.args.warmup_steps]])
+                   compile_profile=record.get("compile_profile"), profiles=record["profiles"],
+                   first_steps=[{k: round(v, 4) if isinstance(v, float) else v for k, v in f.items()}
+                                for f in record["first_steps"]],
+                   warmup_step_s=[round(s["t_end"] - s["t_start"], 2) for s in steps[:bench.args.warmup_steps]],
+                   **compile_log((bench.work / "logs" / f"{name}.log").read_text(errors="replace")))
+        missing = sorted(set(profile_steps(bench.args)) - {p["step"] for p in record["profiles"]})
+        if missing:  # a packed run may take fewer steps than --steps
+            row["profile_note"] = f"steps {missing} not profiled: the run took {len(steps)} steps"
         if loop == "online":  # the loop reads no cache
             row.pop("input_wait_frac")
         if sampler is not None:
@@ -433,6 +520,7 @@ def main(args: BenchArgs) -> dict:
     if args.steps < 2 or not 0 <= args.warmup_steps < args.steps:
         raise SystemExit(f"--steps {args.steps} --warmup-steps {args.warmup_steps}: need steps >= 2 and "
                          "0 <= warmup-steps < steps")
+    check_profiling(args)
     if args.device == "cpu":  # SpecForge's Triton loss kernel runs interpreted: set before triton loads
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if str(BENCH_DIR) not in sys.path:

@@ -6,6 +6,9 @@ of each measure (``METHODS``)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import json
 import os
 import shlex
@@ -114,20 +117,32 @@ def probe(record_path: str, argv: list[str]) -> None:
     padded tokens of its micro-batches (``train.step.micro_batch``) and the seconds the
     training thread waited on input (``load_s``: what the source's ``take_wait`` hands
     the loop right after the step, the offline prefetcher's wait; 0 online). Observes
-    only: the loop's functions are wrapped, not changed."""
+    only: the loop's functions are wrapped, not changed.
+
+    Its settings come from the environment (``probe_env`` / ``probe_settings``): the
+    steps run under torch.profiler (``profiles``: one ``profiled`` summary each, with
+    the ``sync_sites`` of the step before it when that one exists and is not profiled
+    too), with Python stacks or not, where their traces go, and how many first steps
+    are timed phase by phase (``first_steps``: ``PhaseClock``'s records), their Python
+    stack sampled (``StackSampler``) every ``sample_ms``."""
     import torch
 
     from eagle3fn.cli import main as cli
     from eagle3fn.train import loop, sources, step
 
+    settings = probe_settings(os.environ)
     recompiles = RecompileCounter()
-    record = {"steps": [], "t_probe": time.time()}
+    record = {"steps": [], "t_probe": time.time(), "profiles": [], "first_steps": []}
     acc = {"padded": 0}
-    real_micro_batch, real_step = step.micro_batch, loop.optimizer_step
+    clock = PhaseClock()
+    real_micro_batch, real_step, real_ttt = step.micro_batch, loop.optimizer_step, step.ttt
+    real_backward = torch.Tensor.backward
     real_waits = {cls: cls.take_wait for cls in (sources.Source, sources.PrefetchSource)}
+    timed_batch = clock.timed("batch_s", real_micro_batch)
+    sites_before: dict[int, list] = {}
 
     def micro_batch(*args, **kwargs):
-        out = real_micro_batch(*args, **kwargs)
+        out = timed_batch(*args, **kwargs)
         acc["padded"] += out[1].attention_mask.numel()
         return out
 
@@ -139,48 +154,178 @@ def probe(record_path: str, argv: list[str]) -> None:
             return seconds
         return take_wait
 
-    profile_at = int(os.environ.get(PROFILE_STEP_ENV, "0"))
-
     def optimizer_step(run, order, **kwargs):
-        if not record["steps"] and torch.cuda.is_initialized():
-            record["before_first_step"] = {"peak": torch.cuda.max_memory_allocated(),
-                                           "reserved": torch.cuda.max_memory_reserved(),
-                                           "recompiles": recompiles.count, "graphs": recompiles.graphs()}
-            torch.cuda.reset_peak_memory_stats()
+        if not record["steps"]:
+            clock.watch_optimizer(run.opt)
+            if torch.cuda.is_initialized():
+                record["before_first_step"] = {"peak": torch.cuda.max_memory_allocated(),
+                                               "reserved": torch.cuda.max_memory_reserved(),
+                                               "recompiles": recompiles.count, "graphs": recompiles.graphs()}
+                torch.cuda.reset_peak_memory_stats()
         acc.update(padded=0)
+        k = len(record["steps"]) + 1
         t = time.time()
-        if len(record["steps"]) + 1 == profile_at:
-            result, record["profile"] = profiled(lambda: real_step(run, order, **kwargs),
-                                                 trace=os.environ.get(TRACE_ENV) or None)
-            record["profile"]["step"] = profile_at
-        elif len(record["steps"]) + 2 == profile_at:  # the step before: where the host waits
-            result, record["sync_sites"] = sync_sites(lambda: real_step(run, order, **kwargs))
+        timed = k <= settings["first_steps"]
+        sampler = (StackSampler(threading.get_ident(), settings["sample_ms"] / 1e3).start()
+                   if timed and settings["sample_ms"] > 0 else None)
+        clock.start(timed)
+        if k in settings["profile_steps"]:
+            trace = settings["trace"].format(step=k) if settings["trace"] else None
+            result, summary = profiled(lambda: real_step(run, order, **kwargs), trace=trace,
+                                       stacks=settings["stacks"])
+            record["profiles"].append({"step": k, **summary, "stacks": settings["stacks"],
+                                       "sync_sites": sites_before.pop(k - 1, None)})
+        elif k + 1 in settings["profile_steps"]:  # the step before a profiled one: where the host waits
+            result, sites_before[k] = sync_sites(lambda: real_step(run, order, **kwargs))
         else:
             result = real_step(run, order, **kwargs)
+        phases = clock.stop()
+        if sampler is not None:
+            sampler.stop()
+            phases["python"] = sampler.summary()
         record["steps"].append(_step_record(t, result.tokens, acc["padded"], recompiles, load_s=0.0))
+        if phases is not None:
+            record["first_steps"].append({"step": k, **phases})
         return result
 
     step.micro_batch, loop.optimizer_step = micro_batch, optimizer_step
+    step.ttt = clock.timed("forward_s", real_ttt)
+    torch.Tensor.backward = clock.timed("backward_s", real_backward)
     for cls, real in real_waits.items():
         cls.take_wait = waited(real)
     try:
         cli.main(argv)
     finally:
+        torch.Tensor.backward = real_backward
         record["recompile_examples"] = recompiles.examples
         record["compile_profile"] = compile_profile()
         Path(record_path).write_text(json.dumps(record))
 
 
-#: environment variable: the optimizer step (1-based) ``probe`` runs under torch.profiler
+#: environment variable: the optimizer steps (1-based, comma-separated) ``probe`` runs under torch.profiler
 PROFILE_STEP_ENV = "EAGLE3FN_PROBE_PROFILE_STEP"
-#: environment variable: where ``probe`` writes the profiled step's Chrome trace (.json.gz)
+#: environment variable: where ``probe`` writes each profiled step's Chrome trace (.json.gz), ``{step}``
+#: standing for the step ("" for none)
 TRACE_ENV = "EAGLE3FN_PROBE_TRACE"
+#: environment variable: "1" records Python stacks in the profiled steps (torch.profiler's ``with_stack``)
+STACKS_ENV = "EAGLE3FN_PROBE_STACKS"
+#: environment variable: how many first optimizer steps ``probe`` times phase by phase (``PhaseClock``)
+FIRST_STEPS_ENV = "EAGLE3FN_PROBE_FIRST_STEPS"
+#: environment variable: ms between samples of the Python stack in those steps (``StackSampler``; 0: none)
+SAMPLE_ENV = "EAGLE3FN_PROBE_SAMPLE_MS"
 #: CPU-side calls that launch a device kernel (CUDA runtime and driver APIs)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
-def profiled(fn, top: int = 12, trace: str | None = None) -> tuple[object, dict]:
+def probe_env(*, profile_steps=(), trace: str = "", stacks: bool = False, first_steps: int = 0,
+              sample_ms: float = 0.0) -> dict[str, str]:
+    """The environment variables that hand ``probe`` its settings (``probe_settings``
+    reads them back): ``profile_steps`` (1-based steps), ``trace`` (a path holding
+    ``{step}``, or "" for no traces), ``stacks``, ``first_steps``, ``sample_ms``."""
+    if trace and "{step}" not in trace:
+        raise ValueError(f"trace path {trace!r} has no '{{step}}': each profiled step needs its own file")
+    return {PROFILE_STEP_ENV: ",".join(str(k) for k in sorted(set(profile_steps))), TRACE_ENV: trace,
+            STACKS_ENV: "1" if stacks else "0", FIRST_STEPS_ENV: str(first_steps), SAMPLE_ENV: str(sample_ms)}
+
+
+def probe_settings(env) -> dict:
+    """``probe``'s settings from the environment ``env`` (``probe_env``'s variables;
+    absent: nothing profiled, no phase timing): ``{"profile_steps": set of steps,
+    "trace": str, "stacks": bool, "first_steps": int, "sample_ms": float}``."""
+    steps = env.get(PROFILE_STEP_ENV, "").replace(" ", ",")
+    return {"profile_steps": {int(k) for k in steps.split(",") if k.strip() and int(k) > 0},
+            "trace": env.get(TRACE_ENV, ""), "stacks": env.get(STACKS_ENV, "0") == "1",
+            "first_steps": int(env.get(FIRST_STEPS_ENV) or 0), "sample_ms": float(env.get(SAMPLE_ENV) or 0)}
+
+
+def _sync() -> None:
+    """Wait for the device (nothing to wait for without a CUDA context)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class PhaseClock:
+    """Wall seconds of the phases of an optimizer step, each started and ended by a
+    device sync, summed over the step's micro-batches: ``batch_s``
+    (``train.step.micro_batch``: the source's load, online the target's forward, and
+    the row map), ``forward_s`` (the draft's ``eagle3fn.unrolled.ttt``), ``backward_s``
+    (``Tensor.backward``), ``optimizer_s`` (the optimizer's ``step``, between its step
+    hooks). ``start(on)`` begins a step (timed only when ``on``); ``stop()`` ends it
+    after a sync and returns ``{wall_s, micro_batches, batch_s, forward_s,
+    backward_s, optimizer_s, rest_s}`` (``rest_s``: the step's wall time in none of
+    the phases: gradient clipping, the finiteness read, zero_grad, a profiler's own
+    work) or None for an untimed step. A phase entered inside another is part of the
+    outer one, not timed again."""
+
+    PHASES = ("batch_s", "forward_s", "backward_s", "optimizer_s")
+
+    def __init__(self) -> None:
+        self.current: dict | None = None
+        self.inside = False
+        self.t0 = 0.0
+        self.batches = 0
+
+    def start(self, on: bool) -> None:
+        self.current = dict.fromkeys(self.PHASES, 0.0) if on else None
+        self.batches, self.inside = 0, False
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> dict | None:
+        if self.current is None:
+            return None
+        _sync()
+        wall = time.perf_counter() - self.t0
+        phases, self.current = self.current, None
+        return {"wall_s": wall, "micro_batches": self.batches, **phases, "rest_s": wall - sum(phases.values())}
+
+    def enter(self) -> float | None:
+        """The start of a phase (after a sync), or None when it is not timed."""
+        if self.current is None or self.inside:
+            return None
+        _sync()
+        self.inside = True
+        return time.perf_counter()
+
+    def leave(self, phase: str, t: float) -> None:
+        """The end of ``phase`` started at ``t`` (``enter``), after a sync."""
+        _sync()
+        self.current[phase] += time.perf_counter() - t
+        self.inside = False
+        self.batches += phase == "batch_s"
+
+    def timed(self, phase: str, fn):
+        """``fn``, timed as ``phase`` while a timed step runs (as it was otherwise)."""
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = self.enter()
+            if t is None:
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave(phase, t)
+        return wrapper
+
+    def watch_optimizer(self, opt) -> None:
+        """Time ``opt.step`` as ``optimizer_s`` (torch.optim's step pre- and post-hooks)."""
+        started: list = [None]
+
+        def pre(*_):
+            started[0] = self.enter()
+
+        def post(*_):
+            if started[0] is not None:
+                self.leave("optimizer_s", started[0])
+                started[0] = None
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+
+
+def profiled(fn, top: int = 12, trace: str | None = None, stacks: bool = False) -> tuple[object, dict]:
     """``fn()`` under torch.profiler (CPU, and CUDA when available), synchronised at both
     ends: ``(its result, summary)``. The summary says where one step's wall time goes:
     ``wall_ms``; ``device_ms``, the sum of the device's self times (kernels and copies;
@@ -189,7 +334,12 @@ def profiled(fn, top: int = 12, trace: str | None = None) -> tuple[object, dict]
     from the host); ``aten_ops`` (ATen operator calls, nested ones included); and the
     ``top`` events by self device time and by self CPU time (name, calls, ms). With
     ``trace`` (a path ending in .json.gz), the step's timeline is also written there as
-    a gzipped Chrome trace."""
+    a gzipped Chrome trace. With ``stacks``, torch.profiler's ``with_stack``: the trace
+    also holds every Python call (``python_function`` events: which functions of
+    dynamo, inductor, triton, transformers or eagle3fn the host time went to;
+    ``trace_summary.python_summary``); this slows Python-heavy steps tens of times (a
+    compiling first step: ``StackSampler`` is the cheap view) and makes their traces
+    GBs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,37 +347,154 @@ def profiled(fn, top: int = 12, trace: str | None = None) -> tuple[object, dict]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with _code_kept(stacks), profile(activities=activities, with_stack=stacks) as prof:
         result = fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall_ms = 1e3 * (time.perf_counter() - t)
-    if trace:
-        import gzip
-        import shutil
-        import tempfile
+    # the summary is read from the exported trace: prof.key_averages() parses the
+    # same events in Python, seconds for a step's tens of thousands
+    import gzip
+    import tempfile
 
-        with tempfile.TemporaryDirectory() as tmp:
-            plain = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(plain))
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(plain))
+        events = json.loads(plain.read_bytes().decode(errors="replace"))["traceEvents"]
+        if trace:
             with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    events = prof.key_averages()
+    return result, {"wall_ms": round(wall_ms, 2), **trace_step_summary(events, wall_ms, top)}
 
-    def rows(key):
-        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
-        return [{"name": e.key[:120], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
-                for e in ranked if getattr(e, key) > 0]
-    # the device's own events (kernels, copies, memsets) only: an ATen operator's
-    # self device time is its kernels' again
-    device_ms = sum(e.self_device_time_total for e in events
-                    if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3
-    return result, {"wall_ms": round(wall_ms, 2), "device_ms": round(device_ms, 2),
-                    "device_frac": round(device_ms / wall_ms, 4) if wall_ms else None,
-                    "launches": sum(e.count for e in events if e.key in LAUNCH_CALLS),
-                    "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
-                    "top_self_device": rows("self_device_time_total"),
-                    "top_self_cpu": rows("self_cpu_time_total")}
+
+def trace_step_summary(events: list[dict], wall_ms: float, top: int = 12) -> dict:
+    """``profiled``'s summary of a step's Chrome trace ``events``: ``device_ms`` (the
+    device's own events: kernels, copies, memsets) and ``device_frac`` (of
+    ``wall_ms``), ``launches`` (``LAUNCH_CALLS``), ``aten_ops`` (every ``aten::`` CPU
+    operator, nested ones included), ``top_self_device`` (device events by name) and
+    ``top_self_cpu`` (host events by name, by self time: minus the host events nested
+    in them; ``trace_summary.host_self``)."""
+    from trace_summary import DEVICE_EVENTS, HOST_EVENTS, host_self
+
+    device = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in DEVICE_EVENTS:
+            device[e["name"]][0] += 1
+            device[e["name"]][1] += e["dur"]
+    device_ms = sum(us for _, us in device.values()) / 1e3
+
+    def rows(table):
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": k[:120], "calls": n, "ms": round(us / 1e3, 3)} for k, (n, us) in ranked if us > 0]
+    host = [e for e in events if e.get("cat") in HOST_EVENTS]
+    return {"device_ms": round(device_ms, 2), "device_frac": round(device_ms / wall_ms, 4) if wall_ms else None,
+            "launches": sum(e["name"] in LAUNCH_CALLS for e in host),
+            "aten_ops": sum(e.get("cat") == "cpu_op" and e["name"].startswith("aten::") for e in host),
+            "top_self_device": rows(device), "top_self_cpu": rows(host_self(host))}
+
+
+class StackSampler:
+    """The Python stack of one thread, sampled every ``period_s`` by a background
+    thread while ``running`` (``start`` / ``stop``), each sample weighted by the wall
+    time since the previous one: where a step's host seconds go, at a cost of about
+    one stack walk per period (torch.profiler's ``with_stack`` records every Python
+    call instead: it slows a compiling step tens of times and its trace takes GBs).
+    ``summary(top)``: ``{"s", "samples", "by_package": self s per package (the
+    innermost frame's; ``trace_summary.package``), "by_package_inclusive": s with the
+    package anywhere on the stack, "top": the functions with the most inclusive s
+    (with ``self_s``), "top_self"}``, functions named ``file(first line): name`` as in
+    torch.profiler's traces."""
+
+    def __init__(self, thread_id: int, period_s: float = 0.005) -> None:
+        self.thread_id, self.period_s = thread_id, period_s
+        self.names: dict = {}
+        self.inclusive, self.own = collections.Counter(), collections.Counter()
+        self.pkg_inclusive, self.pkg_own = collections.Counter(), collections.Counter()
+        self.samples, self.seconds = 0, 0.0
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+
+    def _name(self, code) -> tuple[str, str]:
+        if code not in self.names:
+            from trace_summary import package
+
+            name = f"{_short(code.co_filename)}({code.co_firstlineno}): {code.co_name}"
+            self.names[code] = (name, package(name))
+        return self.names[code]
+
+    def _sample(self, weight: float) -> None:
+        frame = sys._current_frames().get(self.thread_id)
+        stack = []
+        while frame is not None:
+            stack.append(self._name(frame.f_code))
+            frame = frame.f_back
+        if not stack:
+            return
+        self.samples += 1
+        self.seconds += weight
+        self.own[stack[0][0]] += weight
+        self.pkg_own[stack[0][1]] += weight
+        for name in {n for n, _ in stack}:
+            self.inclusive[name] += weight
+        for pkg in {k for _, k in stack}:
+            self.pkg_inclusive[pkg] += weight
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self.done.wait(self.period_s):
+            now = time.perf_counter()
+            self._sample(now - last)
+            last = now
+        self._sample(time.perf_counter() - last)
+
+    def start(self) -> "StackSampler":
+        self.done.clear()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="stack-sampler")
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def summary(self, top: int = 30) -> dict:
+        r = lambda x: round(x, 4)  # noqa: E731
+        return {"s": r(self.seconds), "samples": self.samples, "period_s": self.period_s,
+                "by_package": {k: r(v) for k, v in self.pkg_own.most_common()},
+                "by_package_inclusive": {k: r(v) for k, v in self.pkg_inclusive.most_common()},
+                "top": [{"name": n, "s": r(v), "self_s": r(self.own[n])} for n, v in self.inclusive.most_common(top)],
+                "top_self": [{"name": n, "self_s": r(v)} for n, v in self.own.most_common(top)]}
+
+
+_KEPT: list | None = None
+"""The code objects ``exec``'d while ``_code_kept`` is on (None: off)."""
+
+
+@contextlib.contextmanager
+def _code_kept(on: bool):
+    """With ``on``, keep alive every code object run through ``exec`` / ``eval``
+    inside (an audit hook, installed once per process): modules imported, FX graphs
+    and guards generated, inductor's compiled modules loaded. torch.profiler's Python
+    tracer (``with_stack``) keys the functions it saw by their code object's address
+    and keeps pointers to their names: a code object freed during the step (a
+    module's top level after its import, a temporary FX graph) gives a later one at
+    the same address its name, or a dangling name (wrong names in the trace, a
+    UnicodeDecodeError in ``key_averages``; pytorch/pytorch#64345, #136040)."""
+    global _KEPT
+    if not on:
+        yield
+        return
+    if not getattr(_code_kept, "installed", False):
+        def hook(event, args):
+            if _KEPT is not None and event == "exec" and args:
+                _KEPT.append(args[0])
+        sys.addaudithook(hook)
+        _code_kept.installed = True
+    _KEPT = []
+    try:
+        yield
+    finally:
+        _KEPT = None
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -285,6 +552,29 @@ def _short(filename: str) -> str:
 COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function",
                   "compile_fx.<locals>.fw_compiler_base", "compile_fx.<locals>.bw_compiler",
                   "async_compile.wait", "PyCodeCache.load_by_key_path", "build_guards")
+
+
+COMPILE_LOG_PREFIXES = ("precompile:", "compiling:")
+"""The starts of the log lines about compilation that a run's record keeps."""
+
+
+def compile_log(text: str) -> dict:
+    """What a run's log ``text`` says about its compilation: ``compile_log``, its lines
+    that start with ``COMPILE_LOG_PREFIXES`` (stripped), and ``precompile_s`` /
+    ``precompile_wait_s``, the seconds of ``compiled in X s`` / ``waited Y s`` in the
+    last ``precompile:`` line giving each (None when none does)."""
+    import re
+
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith(COMPILE_LOG_PREFIXES)]
+    out = {"compile_log": lines, "precompile_s": None, "precompile_wait_s": None}
+    for line in lines:
+        if not line.startswith("precompile:"):
+            continue
+        for key, pattern in (("precompile_s", r"compiled in (\d+(?:\.\d*)?) s"),
+                             ("precompile_wait_s", r"waited (\d+(?:\.\d*)?) s")):
+            if found := re.search(pattern, line):
+                out[key] = float(found.group(1))
+    return out
 
 
 def compile_profile() -> dict:
@@ -413,12 +703,32 @@ METHODS = {
                        "input_wait_s) / steady window s",
     "compile_profile": "s the eagle3fn process spent in dynamo/inductor compile phases, summed over every "
                        "compilation (torch._dynamo.utils.compile_times, aggregated)",
-    "profile": "with --profile-step K: step K under torch.profiler (train_probe.profiled): wall_ms, device_ms "
-               "(sum of the device's own events' self times; device_frac = device_ms / wall_ms), launches "
-               "(host-side kernel, graph, copy and memset launches), aten_ops, the top events by self device and "
-               "self CPU time; --trace-dir keeps the step's Chrome trace",
-    "sync_sites": "with --profile-step K: step K-1 under CUDA's sync debug mode (train_probe.sync_sites): each "
-                  "call stack where the host waited for the device, with its count",
+    "profiles": "with --profile-steps K ... (or --profile-step K): one record per step K, run under "
+                "torch.profiler (train_probe.profiled): step, wall_ms, device_ms (sum of the device's own events' "
+                "self times; device_frac = device_ms / wall_ms), launches (host-side kernel, graph, copy and "
+                "memset launches), aten_ops, the top events by self device and self CPU time, stacks (Python "
+                "stacks recorded: --profile-stacks), and sync_sites: step K-1 under CUDA's sync debug mode "
+                "(train_probe.sync_sites), each call stack where the host waited for the device with its count "
+                "(null for K = 1 or when step K-1 is profiled too); --trace-dir keeps each step's Chrome trace "
+                "as <loop>-<mode>-step<K>.trace.json.gz (benchmarks/trace_summary.py)",
+    "first_steps": "the first --first-steps steps timed phase by phase (train_probe.PhaseClock), each phase "
+                   "started and ended by a device sync and summed over the step's micro-batches: batch_s "
+                   "(train.step.micro_batch: the source's load -- online the target forward, offline the wait "
+                   "for the prefetched shard and its copy -- and the row map), forward_s (the draft's "
+                   "eagle3fn.unrolled.ttt, its compilation included), backward_s (Tensor.backward, the backward "
+                   "graphs' compilation included), optimizer_s (the optimizer's step), rest_s (wall_s in none of "
+                   "them: gradient clipping, the finiteness read, zero_grad, a profiler's own work), wall_s (the "
+                   "step, device-synced at its end); the extra syncs cost little in a step of seconds, but keep "
+                   "these steps in the warm-up. python (--sample-ms > 0): the training thread's Python stack "
+                   "sampled every sample_ms (train_probe.StackSampler), each sample weighted by the wall s since "
+                   "the last: s per package of the innermost frame (by_package, self), with the package anywhere "
+                   "on the stack (by_package_inclusive), and the functions with the most inclusive and self s",
+    "to_steady_s": "process launch to the start of the steady window (startup + warm-up, compilation "
+                   "included wherever it happens): the number to compare across runs that compile at different "
+                   "times (--precompile compiles while the run loads, so its warm-up alone would flatter it)",
+    "compile_log": "the lines the run logged that start with 'precompile:' or 'compiling:'; precompile_s / "
+                   "precompile_wait_s: the 'compiled in X s' / 'waited Y s' of the last precompile line that "
+                   "gives them (null when none does)",
     "warmup_step_s": "wall s of each warm-up step (device-synced), compilation included",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }

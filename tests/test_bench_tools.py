@@ -162,9 +162,10 @@ def test_attention_and_soft_ce_arguments_resolve():
 
 def test_trace_summary_of_a_hand_made_trace(tmp_path):
     """trace_summary on a trace whose times are known: busy, span, idle (only gaps over
-    the threshold), kinds by name, the split, and top-level CPU ops (a nested op is not
-    counted again: control, the nested one sits inside its parent). Also through main
-    (gzip in, JSON out, the source run's commit recorded)."""
+    the threshold), kinds by name, the split, and top-level CPU ops per thread with
+    their top names (a nested op is not counted again: control, the nested one sits
+    inside its parent, and it does count among the longest single host events). Also
+    through main (gzip in, JSON out, the source run's commit recorded)."""
     import gzip
 
     ts = load("trace_summary")
@@ -178,15 +179,23 @@ def test_trace_summary_of_a_hand_made_trace(tmp_path):
               {"cat": "cpu_op", "ph": "X", "name": "aten::linear", "ts": 0, "dur": 500, "tid": 1},
               {"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 100, "dur": 300, "tid": 1},  # nested
               {"cat": "cpu_op", "ph": "X", "name": "aten::add", "ts": 600, "dur": 50, "tid": 1},
-              {"cat": "cpu_op", "ph": "X", "name": "MmBackward0", "ts": 0, "dur": 80, "tid": 2}]
+              {"cat": "cpu_op", "ph": "X", "name": "aten::add", "ts": 700, "dur": 30, "tid": 1},
+              {"cat": "cpu_op", "ph": "X", "name": "MmBackward0", "ts": 0, "dur": 80, "tid": 2},
+              {"cat": "cuda_runtime", "ph": "X", "name": "cudaStreamSynchronize", "ts": 1000, "dur": 2000,
+               "tid": 1}]
     s = ts.summarise({"traceEvents": events}, split_ms=3.0, gap_us=500)
     assert (s["events"], s["span_ms"], s["busy_ms"]) == (5, 5.65, 1.75)
     assert (s["idle_ms"], s["idle_gaps"]) == (3.7, 1)  # the two 100 us gaps are under 500 us
     assert {k: v["count"] for k, v in s["by_kind"].items()} == {"gemm": 1, "other": 1, "copy": 1, "flex": 1,
                                                                  "triton": 1}
     assert (s["before"]["events"], s["after"]["events"], s["after"]["busy_ms"]) == (2, 3, 0.55)
-    assert s["host"] == [{"thread": 1, "top_level_ops": 2, "ms": 0.55},
-                         {"thread": 2, "top_level_ops": 1, "ms": 0.08}]
+    assert s["host"] == [
+        {"thread": 1, "top_level_ops": 3, "ms": 0.58,
+         "top": [{"name": "aten::linear", "count": 1, "ms": 0.5}, {"name": "aten::add", "count": 2, "ms": 0.08}]},
+        {"thread": 2, "top_level_ops": 1, "ms": 0.08, "top": [{"name": "MmBackward0", "count": 1, "ms": 0.08}]}]
+    assert [(e["name"], e["thread"], e["start_ms"], e["ms"]) for e in s["longest_host"][:3]] == [
+        ("cudaStreamSynchronize", 1, 1.0, 2.0), ("aten::linear", 1, 0.0, 0.5), ("aten::mm", 1, 0.1, 0.3)]
+    assert "python" not in s  # no Python stacks in this trace
     path = tmp_path / "t.trace.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     (tmp_path / "bench.json").write_text(json.dumps({"commit": "abc", "dirty": False}))
@@ -194,3 +203,35 @@ def test_trace_summary_of_a_hand_made_trace(tmp_path):
                              out=str(tmp_path / "s.json")))
     assert json.loads((tmp_path / "s.json").read_text()) == report
     assert report["source_commit"] == "abc" and report["busy_ms"] == 1.75 and report["commit"]
+
+
+def test_trace_summary_of_python_stacks():
+    """The ``python`` block of a ``with_stack`` trace whose calls are known: the
+    training thread is the one with the most calls (control: a reader thread's one
+    long wait is longer); a recursive function counts its outer call only in
+    inclusive time (control: 0.9 ms if the inner call were added again); self times
+    and packages add up to the thread's time; addresses in C functions' names are
+    dropped so that calls on two objects add up."""
+    ts = load("trace_summary")
+
+    def py(name, t, d, tid=1):
+        return {"cat": "python_function", "ph": "X", "name": name, "ts": t, "dur": d, "tid": tid}
+
+    run, compile_, forward = ("src/eagle3fn/train/loop.py(10): run", "torch/_dynamo/convert_frame.py(5): _compile",
+                              "transformers/models/llama/modeling_llama.py(3): forward")
+    events = [py(run, 0, 1000), py(compile_, 100, 600), py(compile_, 200, 300),
+              py("<built-in method mm of type object at 0x7f00aa>", 250, 100), py(forward, 800, 150),
+              py("<built-in method mm of type object at 0x7f99bb>", 820, 50),
+              py("threading.py(300): wait", 0, 5000, tid=9)]
+    s = ts.summarise({"traceEvents": events})
+    p = s["python"]
+    assert (p["thread"], p["calls"], p["ms"]) == (1, 6, 1.0)
+    top = {f["name"]: (f["ms"], f["self_ms"], f["calls"]) for f in p["top"]}
+    assert top == {run: (1.0, 0.25, 1), compile_: (0.6, 0.5, 2),
+                   "<built-in method mm of type object>": (0.15, 0.15, 2), forward: (0.15, 0.1, 1)}
+    assert [f["name"] for f in p["top_self"]][:2] == [compile_, run]
+    assert p["by_package"] == {"torch/_dynamo": 0.5, "eagle3fn": 0.25, "builtins": 0.15, "transformers": 0.1}
+    assert sum(p["by_package"].values()) == pytest.approx(p["ms"])
+    assert p["by_package_inclusive"] == {"eagle3fn": 1.0, "torch/_dynamo": 0.6, "builtins": 0.15,
+                                         "transformers": 0.15}
+    assert s["longest_host"] == [] and s["host"] == []  # Python calls are not host operators

@@ -83,8 +83,8 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out.json"
     args = bench.BenchArgs(shape="tiny", device="cpu", loops=("online", "offline"), modes=("loss",), steps=3,
                            warmup_steps=1, batch_size=2, max_length=64, length_scale=1 / 32,
-                           work_dir=str(work), out=str(out), packs=(False, True), profile_step=2,
-                           trace_dir=str(tmp_path / "traces"))
+                           work_dir=str(work), out=str(out), packs=(False, True), profile_step=3,
+                           profile_steps=(1,), profile_stacks=True, trace_dir=str(tmp_path / "traces"))
     try:
         result = bench.main(args)
     finally:
@@ -92,6 +92,7 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
     saved = json.loads(out.read_text())
     assert saved["results"] == result["results"]
     assert saved["args"]["max_length"] == 64 and saved["args"]["device"] == "cpu" and saved["commit"]
+    assert "to_steady_s" in saved["methods"] and "first_steps" in saved["methods"]
     rows = {(r["loop"], r["mode"]): r for r in result["results"]}
     assert set(rows) == {(loop, mode) for loop in ("online", "offline") for mode in ("loss", "loss+pack", "specforge")}
     packed = {loop: rows.pop((loop, "loss+pack")) for loop in ("online", "offline")}
@@ -115,13 +116,27 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert r["recompile_limit_hits"] == 0  # nothing compiles on the CPU
         assert 0 < r["floor_trim_frac"] < r["floor_dense_frac"]
         assert r["peak_gib"] is None and r.get("gpu_busy_pct") is None  # CUDA and nvidia-smi only
-        if key[1] != "specforge":  # the eagle3fn process's warm-up profile, step 2 under the profiler
+        if key[1] != "specforge":  # the eagle3fn process's warm-up profile, steps 1 and 3 under the profiler
             assert isinstance(r["compile_profile"], dict) and len(r["warmup_step_s"]) == 1, key
-            assert r["sync_sites"] == [], key  # step 1 under CUDA's sync debug mode: none on a CPU
-            p = r["profile"]
-            assert (tmp_path / "traces" / f"{key[0]}-{key[1]}.trace.json.gz").stat().st_size > 1000
-            assert p["step"] == 2 and p["wall_ms"] > 0 and p["aten_ops"] > 100, (key, p)
-            assert p["device_ms"] == 0 and p["launches"] == 0 and p["top_self_cpu"], (key, p)  # a CPU
+            assert [p["step"] for p in r["profiles"]] == [1, 3], key
+            # step 2 under CUDA's sync debug mode (none on a CPU); no step before step 1
+            assert [p["sync_sites"] for p in r["profiles"]] == [None, []], key
+            for p in r["profiles"]:
+                trace = tmp_path / "traces" / f"{key[0]}-{key[1]}-step{p['step']}.trace.json.gz"
+                assert trace.stat().st_size > 1000, trace
+                assert p["wall_ms"] > 0 and p["aten_ops"] > 100 and p["stacks"], (key, p)
+                assert p["device_ms"] == 0 and p["launches"] == 0 and p["top_self_cpu"], (key, p)  # a CPU
+            # the first two steps phase by phase: the wrapped functions ran inside them
+            first = r["first_steps"]
+            assert [f["step"] for f in first] == [1, 2] and all(f["micro_batches"] == 1 for f in first), key
+            for f in first:
+                phases = [f[k] for k in ("batch_s", "forward_s", "backward_s", "optimizer_s")]
+                assert min(phases) > 0 and f["rest_s"] >= -1e-3, (key, f)
+                assert sum(phases) <= f["wall_s"] + 1e-3, (key, f)
+                # the training thread's Python stack sampled through the step: the loop is eagle3fn's
+                assert f["python"]["samples"] >= 1 and f["python"]["by_package_inclusive"]["eagle3fn"] > 0, key
+            assert first[0]["wall_s"] <= r["warmup_step_s"][0] + 0.01, key
+            assert r["compile_log"] == [] and r["precompile_s"] is None, key  # nothing compiles on a CPU
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
     # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
     from eagle3fn.train.metrics import read_metrics
@@ -135,6 +150,17 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
         assert mine["vs_specforge"] == pytest.approx(mine["tokens_per_s"] / theirs["tokens_per_s"], rel=1e-2)
         assert mine["command"].startswith("python -m eagle3fn.cli train ")
     assert result["prepare"]["seconds"] > 0
+    assert all(r["to_steady_s"] >= r["startup_s"] for r in result["results"])
+
+    # The Python stacks of the profiled step 3 say where its host time went: the draft
+    # step's functions on the training thread.
+    trace_summary = load_benchmark("trace_summary")
+    import gzip
+
+    trace = json.loads(gzip.open(tmp_path / "traces" / "offline-loss-step3.trace.json.gz").read())
+    python = trace_summary.summarise(trace)["python"]
+    assert python["by_package"]["eagle3fn"] > 0
+    assert any("eagle3fn/unrolled" in f["name"] for f in python["top"]), python["top"]
     assert 0 < result["data"]["assistant_share"] < 1
 
     # Packed (--pack): every conversation once, in rows of max_length (the last batch
@@ -241,3 +267,171 @@ def test_sync_sites_groups_waits_by_call_stack():
     assert result == 7 and [s["count"] for s in sites] == [3, 1]
     assert "waits_here" in sites[0]["site"] and "waits_there" in sites[1]["site"]
     assert sites[0]["site"].startswith("tests/test_bench_train.py:") or "test_bench_train.py" in sites[0]["site"]
+
+
+def test_phase_clock_times_each_phase_once():
+    """``PhaseClock``: in a timed step each wrapped function's wall time goes to its
+    phase, summed over calls (two batches of 20 ms), a phase called inside another is
+    the outer one's (control: the forward's inner backward is not counted twice), the
+    optimizer's step is timed through its hooks, and nothing is timed outside a timed
+    step (control: the same calls in an untimed step leave no record)."""
+    probe = load_benchmark("train_probe")
+    clock = probe.PhaseClock()
+    sleep = lambda s: (lambda: time.sleep(s))  # noqa: E731
+    batch = clock.timed("batch_s", sleep(0.02))
+    backward = clock.timed("backward_s", sleep(0.05))
+    forward = clock.timed("forward_s", lambda: (time.sleep(0.01), backward()))
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    clock.watch_optimizer(opt)
+
+    def step():
+        batch()
+        batch()
+        forward()
+        backward()
+        weight.grad = torch.ones(3)
+        opt.step()
+        time.sleep(0.01)
+
+    clock.start(True)
+    step()
+    got = clock.stop()
+    assert got["micro_batches"] == 2
+    # sleeps last at least as asked; a loaded machine may stretch them a little
+    assert got["batch_s"] >= 0.04 and got["forward_s"] >= 0.06  # the forward's inner backward included
+    assert 0.05 <= got["backward_s"] < 0.09  # the outer call only: 0.1 if the inner one counted again
+    assert 0 < got["optimizer_s"] < 0.01 and torch.equal(weight.detach(), torch.full((3,), 0.9))
+    assert got["rest_s"] >= 0.01 and got["wall_s"] == pytest.approx(
+        sum(got[k] for k in (*clock.PHASES, "rest_s")))
+    clock.start(False)
+    step()
+    assert clock.stop() is None and clock.current is None
+
+
+def test_compile_log_keeps_the_compile_lines():
+    """The lines starting with ``precompile:`` / ``compiling:`` are kept and the
+    precompile line's seconds parsed; a line that only mentions them is not (control),
+    and without a precompile line both seconds are None."""
+    probe = load_benchmark("train_probe")
+    log = ("draft: H=64\ncompiling: the first steps compile the draft's kernels\n"
+           "step 1/3 loss 2.0 (precompile: compiled in 9.9 s while the run loaded; waited 9.9 s)\n"
+           "  precompile: the draft step's graphs compiled in 24.1 s while the run loaded; waited 3.2 s for them\n")
+    got = probe.compile_log(log)
+    assert got == {"compile_log": ["compiling: the first steps compile the draft's kernels",
+                                   ("precompile: the draft step's graphs compiled in 24.1 s while the run loaded; "
+                                    "waited 3.2 s for them")],
+                   "precompile_s": 24.1, "precompile_wait_s": 3.2}
+    assert probe.compile_log("compiling: x\nprecompile: started\n") == {
+        "compile_log": ["compiling: x", "precompile: started"], "precompile_s": None, "precompile_wait_s": None}
+
+
+def _generated_calls():
+    """300 functions run from code objects that are freed at once (as a module's top
+    level after its import, or a temporary FX graph), their memory then reused."""
+    for i in range(300):
+        scope = {}
+        exec(compile(f"def generated_{i}():\n    return {i}\ngenerated_{i}()\n", f"<gen{i}>", "exec"), scope)
+        del scope
+        [bytes([0xb0 + j % 16]) * 64 for j in range(200)]
+
+
+def test_profiled_stacks_name_freed_code(tmp_path):
+    """``profiled(stacks=True)`` records the step's Python calls (control: none without
+    stacks) and names each right although their code objects are freed during the
+    step: ``_code_kept`` keeps every code object run through ``exec`` alive until the
+    profile is read (control: without it the same code object dies at once, its
+    address free for the next one, which torch.profiler's Python tracer would then
+    name as the first: seen as duplicated names in this test before the fix)."""
+    import gc
+    import gzip
+    import weakref
+
+    probe = load_benchmark("train_probe")
+
+    def named(stacks):
+        _, summary = probe.profiled(_generated_calls, trace=str(tmp_path / "t.json.gz"), stacks=stacks)
+        events = json.loads(gzip.open(tmp_path / "t.json.gz").read().decode(errors="replace"))["traceEvents"]
+        names = [e["name"].split(": ")[-1] for e in events if e.get("cat") == "python_function"]
+        return [n for n in names if n.startswith("generated_")], summary
+
+    assert named(False)[0] == []
+    names, summary = named(True)
+    assert sorted(names) == sorted(f"generated_{i}" for i in range(300))
+    assert summary["wall_ms"] > 0 and summary["aten_ops"] == 0
+
+    def code_alive(keep):
+        with probe._code_kept(keep):
+            code = compile("x = 1\n", "<kept>", "exec")
+            exec(code, {})
+            ref = weakref.ref(code)
+            del code
+            gc.collect()
+            alive = ref() is not None
+        gc.collect()
+        return alive, ref() is not None
+
+    assert code_alive(True) == (True, False)  # kept while profiling, released after
+    assert code_alive(False) == (False, False)
+
+
+def test_profiling_options_are_checked(bench):
+    """A profiled step outside the run, stacks without traces and traces without
+    profiled steps are refused before anything runs, naming the value; both ways of
+    naming steps add up."""
+    args = bench.BenchArgs(shape="tiny", device="cpu", steps=4, warmup_steps=1)
+    replace = __import__("dataclasses").replace
+    assert bench.profile_steps(replace(args, profile_steps=(3, 1), profile_step=3)) == [1, 3]
+    for bad, match in (({"profile_steps": (5,)}, "--profile-steps 5: each step must be in 1..4"),
+                       ({"profile_step": -1}, "--profile-steps -1"),
+                       ({"profile_steps": (1,), "profile_stacks": True}, "--profile-stacks"),
+                       ({"trace_dir": "/tmp/x"}, "--trace-dir /tmp/x"),
+                       ({"first_steps": -2}, "--first-steps -2"),
+                       ({"sample_ms": -1.0}, "--sample-ms -1.0")):
+        with pytest.raises(SystemExit, match=match):
+            bench.main(replace(args, **bad))
+    bench.check_profiling(replace(args, profile_steps=(1, 4), profile_stacks=True, trace_dir="/tmp/x"))
+
+
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _long_part():
+    _spin(0.3)
+
+
+def _short_part():
+    _spin(0.1)
+
+
+def _both_parts():
+    _long_part()
+    _short_part()
+
+
+def test_stack_sampler_weighs_functions_by_time():
+    """``StackSampler`` on this thread running a 0.3 s and a 0.1 s function from one
+    caller: each function's inclusive seconds follow its time (the long one about 3x
+    the short one's; control: a function that did not run gets nothing), the caller
+    holds both, and the samples' weights add up to the sampled wall time."""
+    import threading
+
+    probe = load_benchmark("train_probe")
+    sampler = probe.StackSampler(threading.get_ident(), 0.005)
+    t = time.perf_counter()
+    sampler.start()
+    _both_parts()
+    sampler.stop()
+    wall = time.perf_counter() - t
+    got = sampler.summary(top=100)
+    incl = {f["name"].split(": ")[-1]: f["s"] for f in got["top"]}
+    own = {f["name"].split(": ")[-1]: f["self_s"] for f in got["top_self"]}
+    assert got["samples"] >= 20 and got["s"] == pytest.approx(wall, abs=0.02)
+    assert 0.2 <= incl["_long_part"] <= 0.4 and 0.05 <= incl["_short_part"] <= 0.2
+    assert incl["_long_part"] > 1.5 * incl["_short_part"]
+    assert incl["_both_parts"] >= incl["_long_part"] + incl["_short_part"] - 1e-3  # rounded to 0.1 ms
+    assert own["_spin"] >= 0.3 and own.get("_both_parts", 0) < 0.02 and "_generated_calls" not in incl
+    assert sum(got["by_package"].values()) == pytest.approx(got["s"], abs=1e-3)
