@@ -1,8 +1,11 @@
 """benchmarks/train.py's measurements: the FLOP floor of a step (``step_flops``) and
 the matmul ceiling, the recompile counter, the per-step observer that runs an
-``eagle3fn`` command in a subprocess (``probe``, ``run_eagle3fn``), the nvidia-smi
-sampler, the summary of a run's step records (``summarise``) and what the JSON says
-of each measure (``METHODS``)."""
+``eagle3fn`` command in a subprocess (``probe``, ``run_eagle3fn``) with what it can
+run inside: the first steps' phase clock (``PhaseClock``) and Python stack sampler
+(``StackSampler``), torch.profiler (``profiled``) and CUDA's sync debug mode
+(``sync_sites``); the nvidia-smi sampler, the compile lines of a run's log
+(``compile_log``), the summary of a run's step records (``summarise``) and what the
+JSON says of each measure (``METHODS``)."""
 
 from __future__ import annotations
 
@@ -403,7 +406,9 @@ class StackSampler:
     innermost frame's; ``trace_summary.package``), "by_package_inclusive": s with the
     package anywhere on the stack, "top": the functions with the most inclusive s
     (with ``self_s``), "top_self"}``, functions named ``file(first line): name`` as in
-    torch.profiler's traces."""
+    torch.profiler's traces. A sample waits for the GIL: a stretch of C code that holds
+    it delays the sample, whose weight then goes to the frame running when it is taken
+    (PyTorch's ops and device syncs release it)."""
 
     def __init__(self, thread_id: int, period_s: float = 0.005) -> None:
         self.thread_id, self.period_s = thread_id, period_s
@@ -457,7 +462,7 @@ class StackSampler:
         self.done.set()
         self.thread.join()
 
-    def summary(self, top: int = 30) -> dict:
+    def summary(self, top: int = 50) -> dict:
         r = lambda x: round(x, 4)  # noqa: E731
         return {"s": r(self.seconds), "samples": self.samples, "period_s": self.period_s,
                 "by_package": {k: r(v) for k, v in self.pkg_own.most_common()},

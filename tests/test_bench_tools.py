@@ -205,7 +205,7 @@ def test_trace_summary_of_a_hand_made_trace(tmp_path):
     assert report["source_commit"] == "abc" and report["busy_ms"] == 1.75 and report["commit"]
 
 
-def test_trace_summary_of_python_stacks():
+def test_trace_summary_of_python_stacks(tmp_path):
     """The ``python`` block of a ``with_stack`` trace whose calls are known: the
     training thread is the one with the most calls (control: a reader thread's one
     long wait is longer); a recursive function counts its outer call only in
@@ -235,3 +235,7 @@ def test_trace_summary_of_python_stacks():
     assert p["by_package_inclusive"] == {"eagle3fn": 1.0, "torch/_dynamo": 0.6, "builtins": 0.15,
                                          "transformers": 0.15}
     assert s["longest_host"] == [] and s["host"] == []  # Python calls are not host operators
+    path = tmp_path / "py.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = ts.main(ts.Args(trace=str(path), out=str(tmp_path / "py.json"), python_top=2))
+    assert [f["name"] for f in report["python"]["top"]] == [run, compile_]
