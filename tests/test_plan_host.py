@@ -190,7 +190,8 @@ def test_batched_plan_survives_its_upload(monkeypatch):
     """Sent as a GPU batch gets it (forced on the CPU): the same tensors as the oracle."""
     f, rm, qb = _rowmap("realistic")
     monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)
-    assert differences(layout_module._plan_steps(rm, "backbone", f, True, qb), oracle(rm, "backbone", f, True, qb)) == []
+    plan = layout_module._plan_steps(rm, "backbone", f, True, qb)
+    assert differences(plan, oracle(rm, "backbone", f, True, qb)) == []
 
 
 @pytest.mark.parametrize("lengths", [[300, 300, 300], [0, 300, 7]])
