@@ -5,10 +5,12 @@ without it (parameters, metrics, RNG state).
 On the CPU nothing compiles, so the test sends CPU tensors through the compiled paths a
 CUDA run takes (``compile_on_cpu("eager")``, FlexAttention's CPU check lifted, as
 tests/test_stable_shapes.py does): dynamo's graphs and guards, which decide whether the
-run's first step finds the graphs compiled, do not depend on the backend. Controls: a
-precompile in another dtype leaves the run's graphs to its first step (the count
-catches it), and a precompile that draws from the global RNG changes the run's RNG
-state (the equality catches it).
+run's first step finds the graphs compiled, do not depend on the backend. The plans
+are uploaded as on a GPU (views of one buffer, then ``layout._own_storage``). Controls:
+a precompile in another dtype leaves the run's graphs to its first step (the count
+catches it), the uploaded views without storages of their own make the run recompile,
+and a precompile that draws from the global RNG changes the run's RNG state (the
+equality catches it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from test_stable_shapes import workdir  # noqa: F401 - the tiny target and varie
 
 import eagle3fn.train.precompile as precompile_module
 import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.layout as layout_module
 from eagle3fn.compiled import RecompileCounter, compile_on_cpu
 from eagle3fn.train.checkpoint import CHECKPOINT, read_checkpoint
 from eagle3fn.train.config import TrainConfig, TTTOptions
@@ -36,6 +39,7 @@ def run(workdir, out, monkeypatch, **kw):  # noqa: F811
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     monkeypatch.setattr(attention_module, "FLEX_BLOCK", 16)
+    monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)  # as on a GPU: plans uploaded
     cfg = TrainConfig(**{**dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
                                 draft_vocab_size=64, batch_size=2, epochs=1, ttt_length=3, lr=1e-3, max_length=96,
                                 device="cpu", save_every=1000, max_steps=3, compile_target=False,
@@ -108,6 +112,16 @@ def test_control_precompile_in_another_dtype_leaves_the_graphs_to_the_run(workdi
                                                                                        "master": torch.float64}))
     _, early, late, _, _, _ = run(workdir, tmp_path / "f64", monkeypatch, precompile=True)
     assert early >= 4 and late >= 4, (early, late)
+
+
+def test_control_uploaded_views_make_the_run_recompile(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """Why the uploaded plan's attention inputs get storages of their own
+    (``layout._own_storage``): as views of one buffer their storage offsets are symbols
+    of the compiled FlexAttention, and the synthetic batch's offsets set guards that
+    the run's batches break."""
+    monkeypatch.setattr(layout_module, "_own_storage", lambda tensors: list(tensors))
+    _, early, late, recompiles, _, _ = run(workdir, tmp_path / "views", monkeypatch, precompile=True)
+    assert early >= 4 and late + recompiles > 0, (early, late, recompiles)
 
 
 def test_control_a_precompile_drawing_random_numbers_is_seen(workdir, plain, tmp_path, monkeypatch):  # noqa: F811

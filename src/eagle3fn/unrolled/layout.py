@@ -155,6 +155,21 @@ def _owned(layouts: Sequence[PackedLayout | None]) -> list[PackedLayout | None]:
     return [None if lay is None else copies[id(lay)] for lay in layouts]
 
 
+def _own_storage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (any device), each in a storage of its own at offset 0, made
+    by one ``_foreach_copy_`` (one kernel launch on CUDA). The uploaded plan's tensors
+    are views of one device buffer, and dynamo makes a view's storage offset a symbol of
+    the compiled FlexAttention graph: an offset of 0 or 1 specialises it, and an offset
+    equal to another size at compile time becomes a guard (duck sizing) that a later
+    batch, or the first real batch after ``--precompile``'s synthetic one, breaks.
+    Seen on the CPU with the upload forced (tests/test_precompile.py,
+    tests/test_stable_shapes.py)."""
+    fresh = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    if fresh:
+        torch._foreach_copy_(fresh, list(tensors))
+    return fresh
+
+
 def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[PackedLayout | None]:
     """The layouts with their tensors taken in order from the iterator ``sent``
     (``_layout_tensors``' order); a layout shared by steps stays shared."""
@@ -259,7 +274,11 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
         return _StepPlan(_owned(layouts) if flex and impl == "batched" else layouts, computed, within, at)
     moved = (_layout_tensors(layouts) if flex else []) + (
         [w for w in within[1:]] + at if computed is not None else [])
-    sent = iter(_upload(moved, device))
+    sent = _upload(moved, device)
+    if flex:  # the attention's inputs in storages of their own (_own_storage), one launch
+        n = len(_layout_tensors(layouts))
+        sent = _own_storage(sent[:n]) + sent[n:]
+    sent = iter(sent)
     if flex:
         layouts = _rebuild_layouts(layouts, sent)
     if computed is not None:
