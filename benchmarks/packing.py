@@ -115,9 +115,10 @@ def measure(lengths: list[int], *, max_length: int, batch_size: int, pack_length
     return out
 
 
-def conversation_lengths(args: Args) -> tuple[list[int], int]:
-    """Token counts of the benchmark's conversations as ``eagle3fn train`` reads them
-    (cut at the shape's max length), and that max length."""
+def chat_examples(args) -> tuple[list, int]:
+    """The benchmark's conversations (``args``: ``shape``, ``conversations``,
+    ``profile``, ``seed``) tokenized as ``eagle3fn train`` reads them (cut at the shape's
+    max length), and that max length."""
     from eagle3fn.io.data import tokenize_file
 
     shape = SHAPES[args.shape]
@@ -127,7 +128,13 @@ def conversation_lengths(args: Args) -> tuple[list[int], int]:
                                                max_length=shape.max_length, length_scale=shape.length_scale,
                                                seed=args.seed))
         examples = tokenize_file(path, word_tokenizer(shape.vocab), max_length=shape.max_length)
-    return [len(e) for e in examples], shape.max_length
+    return examples, shape.max_length
+
+
+def conversation_lengths(args: Args) -> tuple[list[int], int]:
+    """Token counts of the benchmark's conversations (``chat_examples``) and the max length."""
+    examples, max_length = chat_examples(args)
+    return [len(e) for e in examples], max_length
 
 
 def main(args: Args) -> dict:

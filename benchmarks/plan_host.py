@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from meta import run_metadata  # noqa: E402
-from train_data import PROFILES, DataArgs, sample_conversations, write_jsonl  # noqa: E402
-from train_target import SHAPES, word_tokenizer  # noqa: E402
+from packing import chat_examples  # noqa: E402
+from train_data import DataArgs  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -75,19 +74,12 @@ class _OpCount(TorchDispatchMode):
 def packed_batches(args: Args, batch_size: int, length: int) -> list[tuple[object, object]]:
     """``(Features on the meta device, HostMasks)`` of the first ``args.batches`` batches of
     ``batch_size`` packed rows of ``length`` tokens from the benchmark's chat set."""
-    from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.packing import collate_packed, pack_examples
     from eagle3fn.shapes import Features
     from eagle3fn.train.sources import HostMasks
 
-    shape = SHAPES[args.shape]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "chat.jsonl"
-        write_jsonl(path, sample_conversations(args.conversations, PROFILES[args.profile], vocab_size=shape.vocab,
-                                               max_length=shape.max_length, length_scale=shape.length_scale,
-                                               seed=args.seed))
-        examples = tokenize_file(path, word_tokenizer(shape.vocab), max_length=shape.max_length)
-    rows = pack_examples(examples, min(shape.max_length, length), length=length)
+    examples, max_length = chat_examples(args)
+    rows = pack_examples(examples, min(max_length, length), length=length)
     if len(rows) < args.batches * batch_size:
         raise ValueError(f"--conversations {args.conversations} fill {len(rows)} rows of {length} tokens, fewer "
                          f"than --batches {args.batches} x B {batch_size}: raise --conversations")
