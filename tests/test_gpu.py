@@ -392,3 +392,52 @@ def test_step_from_host_masks_never_waits_for_the_gpu(packed_batches, trim):
             step(mask)  # control: built on the device
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
+    """``--precompile`` on CUDA with inductor (tests/test_precompile.py is its CPU twin):
+    the run says what it compiled, its first step compiles no graph, nothing
+    recompiles, and it trains as a run without it does (same compiled kernels)."""
+    import json
+
+    import eagle3fn.train.precompile as precompile_module
+    from eagle3fn.compiled import RecompileCounter
+    from eagle3fn.train.checkpoint import CHECKPOINT, read_checkpoint
+    from eagle3fn.train.config import TrainConfig
+    from eagle3fn.train.loop import train
+
+    from recorders import WORDS, save_tiny_target
+
+    save_tiny_target(tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    words = lambda lo, hi: " ".join(WORDS[int(i)] for i in torch.randint(  # noqa: E731
+        0, len(WORDS), (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g))
+    rows = [{"messages": [{"role": "user", "content": words(3, 60)}, {"role": "assistant", "content": words(3, 40)}]}
+            for _ in range(24)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    joined = {}
+    join = precompile_module.Precompile.join
+
+    def counted_join(self, log):
+        join(self, log)
+        joined["graphs"] = RecompileCounter.graphs()
+    monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
+
+    def run(out, precompile):
+        lines = []
+        torch.manual_seed(0)
+        cfg = TrainConfig(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"), out_dir=str(out),
+                          draft_vocab_size=64, batch_size=2, ttt_length=3, max_length=160, max_steps=3,
+                          save_every=1000, device="cuda", precompile=precompile)
+        with RecompileCounter() as counter:
+            train(cfg, log=lines.append)
+        return lines, counter.count, read_checkpoint(out / CHECKPOINT)
+
+    torch._dynamo.reset()
+    lines, recompiles, pre = run(tmp_path / "pre", True)
+    said = [line for line in lines if line.startswith("precompile:")]
+    assert len(said) == 1 and "compiled in" in said[0], said
+    assert RecompileCounter.graphs() == joined["graphs"] and recompiles == 0, (lines, recompiles)
+    _, _, plain = run(tmp_path / "plain", False)
+    for name, p in plain["params"].items():
+        assert torch.equal(pre["params"][name], p), name

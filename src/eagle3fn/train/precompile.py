@@ -194,8 +194,8 @@ def start_precompile(cfg: TrainConfig, device: torch.device, ttt_cfg: TTTConfig,
     def work() -> None:
         try:
             configure_dynamo()
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if device.type == "cuda" and device.index is not None:  # a new thread starts on device 0
+                torch.cuda.set_device(device.index)
             compile_step(ttt_cfg.draft, ttt_cfg, trims, batch_size=cfg.batch_size, length=length,
                          packed=cfg.packs, target_hidden=target_hidden, master=master, dtype=dtype,
                          device=device)

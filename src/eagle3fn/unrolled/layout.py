@@ -157,7 +157,7 @@ def _owned(layouts: Sequence[PackedLayout | None]) -> list[PackedLayout | None]:
 
 def _own_storage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (any device), each in a storage of its own at offset 0, made
-    by one ``_foreach_copy_`` (one kernel launch on CUDA). The uploaded plan's tensors
+    by one ``_foreach_copy_`` per dtype (a kernel launch each on CUDA). The uploaded plan's tensors
     are views of one device buffer, and dynamo makes a view's storage offset a symbol of
     the compiled FlexAttention graph: an offset of 0 or 1 specialises it, and an offset
     equal to another size at compile time becomes a guard (duck sizing) that a later
@@ -165,8 +165,9 @@ def _own_storage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     Seen on the CPU with the upload forced (tests/test_precompile.py,
     tests/test_stable_shapes.py)."""
     fresh = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    if fresh:
-        torch._foreach_copy_(fresh, list(tensors))
+    for dtype in {t.dtype for t in tensors}:  # one launch per dtype (foreach's fast path)
+        mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        torch._foreach_copy_([fresh[i] for i in mine], [tensors[i] for i in mine])
     return fresh
 
 
