@@ -237,7 +237,9 @@ class BenchArgs:
     device: str = "cuda"
     """``cuda``, ``cuda:N`` or ``cpu`` (a functional check: fp32, eager SpecForge)."""
     train_args: str = ""
-    """Extra ``eagle3fn train`` flags for every run, e.g. ``'--ttt.query-buckets 4'``."""
+    """Extra ``eagle3fn train`` flags for every run, given with ``=`` since they start
+    with ``--`` (tyro would read them as its own flags): e.g.
+    ``"--train-args=--ttt.query-buckets 4"``."""
     work_dir: str | None = None
     """Target, data, caches, runs and logs (default: /tmp/eagle3fn-bench-<shape>); the
     target is reused across runs with the same shape and seed."""
