@@ -435,3 +435,14 @@ def test_stack_sampler_weighs_functions_by_time():
     assert incl["_both_parts"] >= incl["_long_part"] + incl["_short_part"] - 1e-3  # rounded to 0.1 ms
     assert own["_spin"] >= 0.3 and own.get("_both_parts", 0) < 0.02 and "_generated_calls" not in incl
     assert sum(got["by_package"].values()) == pytest.approx(got["s"], abs=1e-3)
+
+
+def test_train_args_are_given_after_an_equals_sign(bench):
+    """The documented form of --train-args parses and reaches the eagle3fn command;
+    control: the value as a separate word starting with -- is refused by tyro."""
+    import tyro
+
+    args = tyro.cli(bench.BenchArgs, args=["--train-args=--pack-length 256 --precompile"])
+    assert args.train_args == "--pack-length 256 --precompile"
+    with pytest.raises(SystemExit):
+        tyro.cli(bench.BenchArgs, args=["--train-args", "--precompile"])
