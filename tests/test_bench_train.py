@@ -438,7 +438,7 @@ def test_stack_sampler_weighs_functions_by_time():
 
 
 def test_train_args_are_given_after_an_equals_sign(bench):
-    """The documented form of --train-args parses and reaches the eagle3fn command;
+    """The documented form of --train-args parses into the flags passed on;
     control: the value as a separate word starting with -- is refused by tyro."""
     import tyro
 
