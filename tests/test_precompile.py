@@ -8,14 +8,17 @@ tests/test_stable_shapes.py does): dynamo's graphs and guards, which decide whet
 run's first step finds the graphs compiled, do not depend on the backend. The plans
 are uploaded as on a GPU (views of one buffer, then ``layout._own_storage``). Controls:
 a precompile in another dtype leaves the run's graphs to its first step (the count
-catches it), the uploaded views without storages of their own make the run recompile,
-and a precompile that draws from the global RNG changes the run's RNG state (the
-equality catches it).
+catches it), so does a single pass run while another thread had changed the default
+dtype (transformers does while it builds the target; the precompile runs such a pass
+again), uploaded views without storages of their own recompile the attention between
+batches of other layouts, and a precompile that draws from the global RNG changes the
+run's RNG state (the equality catches it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,9 +35,10 @@ from eagle3fn.train.metrics import read_metrics
 
 
 def run(workdir, out, monkeypatch, **kw):  # noqa: F811
-    """A short packed ``auto`` run through the compiled paths: ``(log lines, graphs
-    compiled by the precompile, graphs compiled after it, recompilations, checkpoint,
-    metrics rows)``."""
+    """A short packed ``auto`` run through the compiled paths: its log ``lines``, the
+    graphs compiled by the precompile (``early``) and after it (``late``), dynamo's
+    recompilations after it (``recompiles``) and in all (``all_recompiles``), its
+    checkpoint and metrics rows."""
     import torch.nn.attention.flex_attention as flex_module
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
@@ -44,23 +48,23 @@ def run(workdir, out, monkeypatch, **kw):  # noqa: F811
                                 draft_vocab_size=64, batch_size=2, epochs=1, ttt_length=3, lr=1e-3, max_length=96,
                                 device="cpu", save_every=1000, max_steps=3, compile_target=False,
                                 ttt=TTTOptions(attention="flex", auto_min_rows=1)), **kw})
-    joined = {}
+    joined = {"recompiles": 0}
     join = precompile_module.Precompile.join
-
-    def counted_join(self, log):
-        join(self, log)
-        joined["graphs"] = RecompileCounter.graphs()
-    monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
     lines = []
     torch.manual_seed(0)  # each run starts from the same global RNG state, which its checkpoint records
     torch._dynamo.reset()
     before = RecompileCounter.graphs()
     with compile_on_cpu("eager"), RecompileCounter(keep=4) as counter:
+        def counted_join(self, log):
+            join(self, log)
+            joined.update(graphs=RecompileCounter.graphs(), recompiles=counter.count)
+        monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
         train(cfg, log=lines.append)
     after = RecompileCounter.graphs()
     at_join = joined.get("graphs", before)
-    return (lines, at_join - before, after - at_join, counter.count, read_checkpoint(out / CHECKPOINT),
-            read_metrics(out / "metrics.jsonl"))
+    return SimpleNamespace(lines=lines, early=at_join - before, late=after - at_join,
+                           recompiles=counter.count - joined["recompiles"], all_recompiles=counter.count,
+                           ckpt=read_checkpoint(out / CHECKPOINT), rows=read_metrics(out / "metrics.jsonl"))
 
 
 def same_run(a, b) -> None:
@@ -80,28 +84,26 @@ def plain(workdir, tmp_path_factory):  # noqa: F811
 
 
 def test_precompile_leaves_nothing_to_compile_and_changes_nothing(workdir, plain, tmp_path, monkeypatch):  # noqa: F811
-    lines, early, late, recompiles, ckpt, rows = run(workdir, tmp_path / "pre", monkeypatch, precompile=True)
-    said = [line for line in lines if line.startswith("precompile:")]
+    pre = run(workdir, tmp_path / "pre", monkeypatch, precompile=True)
+    said = [line for line in pre.lines if line.startswith("precompile:")]
     assert len(said) == 1 and "compiled in" in said[0] and "(backbone, none)" in said[0], said
-    first = next(i for i, line in enumerate(lines) if line.startswith("step "))
-    assert lines.index(said[0]) < first  # joined before the first step
-    assert early >= 4, early  # the elementwise chains, FlexAttention, the teacher's update
-    assert late == 0 and recompiles == 0, (late, recompiles)
+    first = next(i for i, line in enumerate(pre.lines) if line.startswith("step "))
+    assert pre.lines.index(said[0]) < first  # joined before the first step
+    assert pre.early >= 4, pre.early  # the elementwise chains, FlexAttention, the teacher's update
+    assert pre.late == 0 and pre.all_recompiles == 0, (pre.late, pre.all_recompiles)
 
-    plain_lines, _, plain_late, _, plain_ckpt, plain_rows = plain
-    assert not any(line.startswith("precompile:") for line in plain_lines)
-    assert plain_late >= early  # without it, the run itself compiles them
-    same_run(ckpt, plain_ckpt)
-    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows] == \
-        [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in plain_rows]
+    assert not any(line.startswith("precompile:") for line in plain.lines)
+    assert plain.late >= pre.early  # without it, the run itself compiles them
+    same_run(pre.ckpt, plain.ckpt)
+    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in pre.rows] == \
+        [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in plain.rows]
 
 
 def test_precompile_unpacked_trim_loss(workdir, tmp_path, monkeypatch):  # noqa: F811
     """Unpacked batches (lengths vary, right padding) and another trim path."""
-    lines, early, late, recompiles, _, _ = run(workdir, tmp_path / "loss", monkeypatch, precompile=True,
-                                               pack=False, trim="loss")
-    assert any("(loss)" in line for line in lines if line.startswith("precompile:")), lines
-    assert early >= 4 and late == 0 and recompiles == 0, (early, late, recompiles)
+    r = run(workdir, tmp_path / "loss", monkeypatch, precompile=True, pack=False, trim="loss")
+    assert any("(loss)" in line for line in r.lines if line.startswith("precompile:")), r.lines
+    assert r.early >= 4 and r.late == 0 and r.all_recompiles == 0, (r.early, r.late, r.all_recompiles)
 
 
 def test_control_precompile_in_another_dtype_leaves_the_graphs_to_the_run(workdir, tmp_path, monkeypatch):  # noqa: F811
@@ -110,18 +112,51 @@ def test_control_precompile_in_another_dtype_leaves_the_graphs_to_the_run(workdi
     step = precompile_module.compile_step
     monkeypatch.setattr(precompile_module, "compile_step", lambda *a, **kw: step(*a, **{**kw, "dtype": torch.float64,
                                                                                        "master": torch.float64}))
-    _, early, late, _, _, _ = run(workdir, tmp_path / "f64", monkeypatch, precompile=True)
-    assert early >= 4 and late >= 4, (early, late)
+    r = run(workdir, tmp_path / "f64", monkeypatch, precompile=True)
+    assert r.early >= 4 and r.late >= 4, (r.early, r.late)
 
 
-def test_control_uploaded_views_make_the_run_recompile(workdir, tmp_path, monkeypatch):  # noqa: F811
+def test_control_uploaded_views_recompile(workdir, tmp_path, monkeypatch):  # noqa: F811
     """Why the uploaded plan's attention inputs get storages of their own
     (``layout._own_storage``): as views of one buffer their storage offsets are symbols
-    of the compiled FlexAttention, and the synthetic batch's offsets set guards that
-    the run's batches break."""
+    of the compiled FlexAttention, and batches of other layouts (here the precompile's
+    two trim paths) break the guards the first one set."""
     monkeypatch.setattr(layout_module, "_own_storage", lambda tensors: list(tensors))
-    _, early, late, recompiles, _, _ = run(workdir, tmp_path / "views", monkeypatch, precompile=True)
-    assert early >= 4 and late + recompiles > 0, (early, late, recompiles)
+    r = run(workdir, tmp_path / "views", monkeypatch, precompile=True)
+    assert r.all_recompiles > 0, r.all_recompiles
+
+
+def dtype_changed_once(monkeypatch):
+    """Make the precompile's first pass run while "another thread" has the default dtype
+    set to fp64, as transformers' from_pretrained does while it builds the target."""
+    step, calls = precompile_module.compile_step, []
+
+    def step_under_other_dtype(*a, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            return step(*a, **kw)
+        torch.set_default_dtype(torch.float64)
+        try:
+            return step(*a, **kw)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    monkeypatch.setattr(precompile_module, "compile_step", step_under_other_dtype)
+
+
+def test_a_pass_under_another_default_dtype_is_run_again(workdir, tmp_path, monkeypatch):  # noqa: F811
+    dtype_changed_once(monkeypatch)
+    r = run(workdir, tmp_path / "again", monkeypatch, precompile=True)
+    said = [line for line in r.lines if line.startswith("precompile:")]
+    assert len(said) == 1 and "(2 passes: the default dtype changed" in said[0], said
+    assert r.late == 0 and r.recompiles == 0, (r.late, r.recompiles)
+
+
+def test_control_one_pass_under_another_default_dtype_leaves_graphs_to_the_run(workdir, tmp_path,  # noqa: F811
+                                                                                monkeypatch):
+    dtype_changed_once(monkeypatch)
+    monkeypatch.setattr(precompile_module, "MAX_PASSES", 1)
+    r = run(workdir, tmp_path / "once", monkeypatch, precompile=True)
+    assert r.late + r.recompiles > 0, (r.late, r.recompiles)
 
 
 def test_control_a_precompile_drawing_random_numbers_is_seen(workdir, plain, tmp_path, monkeypatch):  # noqa: F811
@@ -132,19 +167,19 @@ def test_control_a_precompile_drawing_random_numbers_is_seen(workdir, plain, tmp
         torch.rand(3)  # the global generator, which the run's checkpoint records
         return batch(**kw)
     monkeypatch.setattr(precompile_module, "synthetic_batch", noisy)
-    ckpt = run(workdir, tmp_path / "noisy", monkeypatch, precompile=True)[4]
+    ckpt = run(workdir, tmp_path / "noisy", monkeypatch, precompile=True).ckpt
     with pytest.raises(AssertionError):
-        same_run(ckpt, plain[4])
+        same_run(ckpt, plain.ckpt)
 
 
 def test_a_failed_precompile_is_said_and_the_run_goes_on(workdir, tmp_path, monkeypatch):  # noqa: F811
     def broken(*a, **kw):
         raise RuntimeError("CUDA out of memory (synthetic)")
     monkeypatch.setattr(precompile_module, "compile_step", broken)
-    lines, _, late, _, ckpt, _ = run(workdir, tmp_path / "broken", monkeypatch, precompile=True)
-    said = [line for line in lines if line.startswith("precompile:")]
+    r = run(workdir, tmp_path / "broken", monkeypatch, precompile=True)
+    said = [line for line in r.lines if line.startswith("precompile:")]
     assert len(said) == 1 and "failed (RuntimeError: CUDA out of memory (synthetic))" in said[0], said
-    assert late >= 4 and ckpt["step"] == 3
+    assert r.late >= 4 and r.ckpt["step"] == 3
 
 
 @pytest.mark.parametrize("kw", [dict(device="cpu"), dict(parallel_sp=2)], ids=["eager-cpu", "sequence-parallel"])

@@ -154,15 +154,51 @@ def compile_step(draft: DraftConfig, ttt_cfg: TTTConfig, trims: tuple[str, ...],
         torch.cuda.synchronize(device)
 
 
+MAX_PASSES = 3
+"""The most synthetic steps a precompile runs (``start_precompile``): another one follows
+while the default dtype changed during the last."""
+
+
+class DefaultDtypeWatch:
+    """Counts the calls of ``torch.set_default_dtype`` (from any thread) that change it,
+    while open.
+
+    The default dtype is process-wide and dynamo guards it: a graph compiled while the
+    main thread's ``transformers`` builds the target under its own default dtype
+    (``from_pretrained`` sets it for the model's construction) fails that guard at the
+    run's first step and compiles again there. A precompile pass during which the
+    default dtype was set, or that did not run under the run's default dtype, is
+    therefore run again (``MAX_PASSES``): the graphs that compiled under the run's
+    default dtype are reused, the others compile anew."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._real = None
+
+    def __enter__(self) -> "DefaultDtypeWatch":
+        real = self._real = torch.set_default_dtype
+
+        def counted(d):
+            self.calls += d != torch.get_default_dtype()  # a change, not a set to the same dtype
+            return real(d)
+        torch.set_default_dtype = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_default_dtype = self._real
+
+
 @dataclasses.dataclass(eq=False)
 class Precompile:
-    """A draft step compiling in a background thread (``start_precompile``)."""
+    """A draft step compiling in a background thread (``start_precompile``): its
+    passes (``MAX_PASSES``), start and end times, and the error that stopped it."""
 
     thread: threading.Thread
     trims: tuple[str, ...]
     started: float
     finished: float | None = None
     error: BaseException | None = None
+    passes: int = 0
 
     def join(self, log: Callable[[str], None]) -> None:
         """Wait for the thread and say what it did, one line: how long it compiled,
@@ -175,8 +211,10 @@ class Precompile:
             log(f"precompile: failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:200]}); "
                 f"the first step compiles instead (waited {waited:.1f} s)")
             return
+        again = (f" ({self.passes} passes: the default dtype changed while one ran)" if self.passes > 1
+                 else "")
         log(f"precompile: the draft step's graphs ({', '.join(self.trims)}) compiled in "
-            f"{self.finished - self.started:.1f} s while the run loaded; waited {waited:.1f} s for them")
+            f"{self.finished - self.started:.1f} s{again} while the run loaded; waited {waited:.1f} s for them")
 
 
 def start_precompile(cfg: TrainConfig, device: torch.device, ttt_cfg: TTTConfig, *,
@@ -190,15 +228,21 @@ def start_precompile(cfg: TrainConfig, device: torch.device, ttt_cfg: TTTConfig,
     trims = trim_paths(cfg.trim_mode)
     length = min(cfg.row_length if cfg.packs else cfg.max_length, SYNTHETIC_LENGTH)
     job = Precompile(thread=None, trims=trims, started=time.perf_counter())  # type: ignore[arg-type]
+    default_dtype = torch.get_default_dtype()  # the run's, which its graphs are guarded on
 
     def work() -> None:
         try:
             configure_dynamo()
             if device.type == "cuda" and device.index is not None:  # a new thread starts on device 0
                 torch.cuda.set_device(device.index)
-            compile_step(ttt_cfg.draft, ttt_cfg, trims, batch_size=cfg.batch_size, length=length,
-                         packed=cfg.packs, target_hidden=target_hidden, master=master, dtype=dtype,
-                         device=device)
+            for job.passes in range(1, MAX_PASSES + 1):
+                with DefaultDtypeWatch() as watch:
+                    before = torch.get_default_dtype()
+                    compile_step(ttt_cfg.draft, ttt_cfg, trims, batch_size=cfg.batch_size, length=length,
+                                 packed=cfg.packs, target_hidden=target_hidden, master=master, dtype=dtype,
+                                 device=device)
+                if not watch.calls and before == torch.get_default_dtype() == default_dtype:
+                    break
         except BaseException as e:  # noqa: BLE001 - reported by join, never lost
             job.error = e
         finally:
