@@ -123,3 +123,27 @@ def test_offline_evaluation_by_decoding_loads_the_whole_target(workdir, tmp_path
     assert cfg.eval_accept_prompts > 0
     train(cfg, log=lambda s: None)
     assert not calls
+
+
+def test_a_model_class_that_cannot_be_built_is_a_reason(tmp_path, monkeypatch):
+    """Where the class cannot be built on the meta device, a reason (the caller loads
+    the whole target)."""
+    path = saved("llama", tmp_path / "llama")
+
+    def refuse(config):
+        raise ValueError("needs trust_remote_code")
+    monkeypatch.setattr(target_module, "_auto_class", lambda config: type("C", (), {"from_config": refuse}))
+    got = load_embedding_and_head(path, aux_layer_ids=(0, 1, 2), dtype=torch.float32, device="cpu")
+    assert isinstance(got, str) and "could not be built on the meta device (ValueError: needs" in got
+
+
+def test_a_softcapped_head_is_refused_as_load_target_refuses_it(tmp_path):
+    from test_target import TEXT
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    Gemma2ForCausalLM(Gemma2Config(**TEXT, final_logit_softcapping=30.0)).save_pretrained(tmp_path / "g2")
+    for load in (lambda: load_target(tmp_path / "g2"),
+                 lambda: load_embedding_and_head(tmp_path / "g2", aux_layer_ids=(0, 1, 2), dtype=torch.float32,
+                                                 device="cpu")):
+        with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+            load()

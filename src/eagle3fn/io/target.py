@@ -453,8 +453,9 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     Returns:
         ``TargetWeights`` (``embed_tokens``, ``head_weight`` ``[V, Ht]``), or a string
         saying why the names could not be matched to one tensor each in the checkpoint
-        (no safetensors files, a key missing or ambiguous, a shape that differs): the
-        caller then loads the whole target with ``load_target``.
+        (no safetensors files, a model class that cannot be built on the meta device, a
+        key missing or ambiguous, a shape that differs): the caller then loads the whole
+        target with ``load_target``.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -463,9 +464,12 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     keys = _checkpoint_keys(path)
     if not keys:
         return f"no safetensors weights in {path}"
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = _auto_class(config).from_config(config)
+    try:  # a model whose class cannot be built here is loaded whole (which says why if it fails)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = _auto_class(config).from_config(config)
+    except (ValueError, TypeError, ImportError, OSError, RuntimeError) as e:
+        return f"its model class could not be built on the meta device ({type(e).__name__}: {e})"
     lm_head = find_lm_head(model)
     _check_teacher_is_head(model, lm_head)
     embed = find_backbone_attr(model, "get_input_embeddings")()
