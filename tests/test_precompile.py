@@ -159,6 +159,42 @@ def test_control_one_pass_under_another_default_dtype_leaves_graphs_to_the_run(w
     assert r.late + r.recompiles > 0, (r.late, r.recompiles)
 
 
+def leaves_default_dtype(dtype, monkeypatch):
+    """Make the precompile leave the default dtype at ``dtype``, as dynamo's restore
+    does when its compile overlapped transformers' construction of the target."""
+    step = precompile_module.compile_step
+
+    def clobbering(*a, **kw):
+        out = step(*a, **kw)
+        torch.set_default_dtype(dtype)
+        return out
+    monkeypatch.setattr(precompile_module, "compile_step", clobbering)
+    monkeypatch.setattr(precompile_module, "MAX_PASSES", 1)
+
+
+def test_a_default_dtype_left_changed_is_set_back(workdir, plain, tmp_path, monkeypatch):  # noqa: F811
+    """The run trains and ends under its own default dtype (fp32 here), not the fp64 the
+    precompile left (without the join's setting back, fp64 stays: the check fails)."""
+    leaves_default_dtype(torch.float64, monkeypatch)
+    try:
+        r = run(workdir, tmp_path / "clobbered", monkeypatch, precompile=True)
+        after = torch.get_default_dtype()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert after == torch.float32
+    assert any("set back to torch.float32" in line for line in r.lines if line.startswith("precompile:")), r.lines
+    same_run(r.ckpt, plain.ckpt)
+
+
+def test_offline_precompile_leaves_nothing_to_compile(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """A run from the cache (its batches read, gathered and cast by the cache reader)."""
+    from recorders import prepare_cache
+
+    cache = prepare_cache(workdir, tmp_path / "cache")
+    r = run(workdir, tmp_path / "offline", monkeypatch, precompile=True, cache=str(cache), data="")
+    assert r.early >= 4 and r.late == 0 and r.recompiles == 0, (r.early, r.late, r.recompiles)
+
+
 def test_control_a_precompile_drawing_random_numbers_is_seen(workdir, plain, tmp_path, monkeypatch):  # noqa: F811
     """The equality sees a precompile that touches the run's RNG."""
     batch = precompile_module.synthetic_batch

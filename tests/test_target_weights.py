@@ -147,3 +147,22 @@ def test_a_softcapped_head_is_refused_as_load_target_refuses_it(tmp_path):
                                                  device="cpu")):
         with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
             load()
+
+
+def test_only_the_files_transformers_reads(tmp_path):
+    """A stray safetensors file beside the model holding the same names is not read; a
+    sharded checkpoint is read through its index; a quantized embedding is refused."""
+    path = saved("llama", tmp_path / "llama")
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v + 1 for k, v in weights.items()}, str(path / "zz-adapter.safetensors"), metadata={"format": "pt"})
+    assert torch.equal(same_as_model(path).embed_tokens, weights["model.embed_tokens.weight"])
+
+    sharded = tmp_path / "sharded"
+    build("llama").save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    same_as_model(sharded)
+
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    got = load_embedding_and_head(path, aux_layer_ids=(0, 1, 2), dtype=torch.float32, device="cpu")
+    assert isinstance(got, str) and "stored as torch.float8_e4m3fn" in got

@@ -306,8 +306,9 @@ def init_params(
     with torch.device("meta"):
         skeleton = Eagle3Draft(cfg)
     norms = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, RMSNorm)}
-    params = {
-        name: torch.ones(p.shape) if name in norms else torch.randn(p.shape, generator=g) * 0.02
+    params = {  # explicit dtypes: the default dtype may be changed by another thread meanwhile
+        name: torch.ones(p.shape, dtype=torch.float32) if name in norms
+        else torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02
         for name, p in skeleton.named_parameters()
     }
     if embed_tokens is not None:

@@ -403,20 +403,21 @@ class TargetWeights:
 
 
 def _checkpoint_keys(path: Path) -> dict[str, Path]:
-    """Every tensor name of a safetensors checkpoint directory and the file holding it
-    (from ``model.safetensors.index.json`` when present); empty for other formats."""
+    """Every tensor name of a safetensors checkpoint directory and the file holding it,
+    from the files transformers reads: ``model.safetensors.index.json``'s map, else
+    ``model.safetensors``; empty for other formats (other ``*.safetensors`` files in the
+    directory are not the model's)."""
     import json
 
     from safetensors import safe_open
 
-    index = path / "model.safetensors.index.json"
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
     if index.is_file():
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update((k, file) for k in f.keys())
-    return out
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
 
 
 def _match_key(name: str, keys: dict[str, Path]) -> str | None:
@@ -453,9 +454,9 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     Returns:
         ``TargetWeights`` (``embed_tokens``, ``head_weight`` ``[V, Ht]``), or a string
         saying why the names could not be matched to one tensor each in the checkpoint
-        (no safetensors files, a model class that cannot be built on the meta device, a
-        key missing or ambiguous, a shape that differs): the caller then loads the whole
-        target with ``load_target``.
+        (no ``model.safetensors`` or index, a model class that cannot be built on the meta
+        device, a key missing or ambiguous, a shape that differs, a quantized dtype): the
+        caller then loads the whole target with ``load_target``.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -463,7 +464,7 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     path = check_model_dir(path)
     keys = _checkpoint_keys(path)
     if not keys:
-        return f"no safetensors weights in {path}"
+        return f"no model.safetensors or model.safetensors.index.json in {path}"
     try:  # a model whose class cannot be built here is loaded whole (which says why if it fails)
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
@@ -495,6 +496,8 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     for what, t in tensors.items():
         if tuple(t.shape) != want[what]:
             return f"{found[what]} in {path} has shape {tuple(t.shape)}, the model's {what} {want[what]}"
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            return f"{found[what]} in {path} is stored as {t.dtype} (quantized: transformers dequantizes it)"
     move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     embedding = move(tensors["embedding"])
     head = embedding if found["head"] == found["embedding"] else move(tensors["head"])

@@ -130,8 +130,7 @@ class Run:
     (DTensor shards over every rank under torchrun), ``layout`` the mesh or None,
     ``total`` the optimizer steps, ``step, epoch, pos`` where the data order stands,
     ``skipped`` the non-finite batches dropped so far, ``saved_step`` the step of the
-    checkpoint in ``out`` (None: none yet), ``precompile`` the draft step compiling in
-    the background (``--precompile``; the loop joins it before the first step)."""
+    checkpoint in ``out`` (None: none yet)."""
 
     cfg: TrainConfig
     device: torch.device
@@ -158,7 +157,6 @@ class Run:
     skipped: int = 0
     saved_step: int | None = None
     whole: dict = dataclasses.field(default_factory=dict)
-    precompile: Precompile | None = None
 
     @property
     def dp(self) -> int:
@@ -249,16 +247,23 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     master = torch.float64 if precision == torch.float64 else torch.float32
     precompile = _start_precompile(cfg, device, model_config, precision, master)
     try:
-        return _build(cfg, device, out, log, layout, model_config, precision, master, precompile)
-    except BaseException:
+        run, state = _build(cfg, device, out, log, layout, model_config, precision, master)
+    except Exception:
         if precompile is not None:  # no compile left running behind a failed build
             precompile.thread.join()
         raise
+    if precompile is not None:  # before the resume's RNG state: dynamo restores the RNG it saw
+        precompile.join(log)
+    if state is not None:
+        _restore(run, state)
+        log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")
+    return run
 
 
 def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str], None], layout: Layout | None,
-           model_config, precision: torch.dtype, master: torch.dtype, precompile: Precompile | None) -> Run:
-    """``build_run`` after the mesh, the target's config and the precompile."""
+           model_config, precision: torch.dtype, master: torch.dtype) -> tuple[Run, dict | None]:
+    """``build_run`` after the mesh, the target's config and the precompile's start:
+    the run, and the checkpoint's state to resume from (None: a new run)."""
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
     if cfg.cache:  # the target's embedding and head, or the whole target to decode with it
@@ -303,11 +308,8 @@ def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str
     run = Run(cfg=cfg, device=device, precision=precision, layout=layout, out=out, target=target,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,
-              fingerprint=fingerprint, precompile=precompile)
-    if state is not None:
-        _restore(run, state)
-        log(f"resumed {ckpt} at step {run.step} (epoch {run.epoch}, batch {run.pos})")
-    return run
+              fingerprint=fingerprint)
+    return run, state
 
 
 def _restore(run: Run, state: dict) -> None:

@@ -118,9 +118,6 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
         f"out; {run.total} optimizer steps on {run.device} ({str(run.precision).removeprefix('torch.')})")
     if compile_backend(run.device) is not None:
         log(compile_notice())
-    if run.precompile is not None:
-        run.precompile.join(log)
-        run.precompile = None
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     while run.step < run.total and run.epoch < cfg.epochs:

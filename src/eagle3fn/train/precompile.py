@@ -9,15 +9,28 @@ packed and the ``--ttt.*`` options, all known from the flags and the target's
 config.json before anything loads. So ``start_precompile`` runs the same step
 (``unrolled.ttt`` forward and backward, through the same functions) on a synthetic
 batch in a background thread while the main thread loads the target and the data, and
-the run waits for it (``Precompile.join``) just before its first step, which then finds
-every graph compiled (dynamo's cache lives on the code objects, shared by the threads).
+the run waits for it (``Precompile.join``) at the end of its build, before its first
+step, which then finds every graph compiled (dynamo's cache lives on the code objects,
+shared by the threads).
 
 What it must not do, and the tests check: change anything the run computes (its
 parameters, gradients, metrics, checkpoint, RNG state: the synthetic batch uses its own
 generator and throwaway parameters, and nothing in the step draws random numbers), or
 hide a failure (a precompile that fails is logged, and the first step compiles as
-without it). Dynamo's config is per thread since torch 2.12, so the thread sets what
-the main thread sets (``compiled.configure_dynamo``).
+without it).
+
+Two threads, one process. Dynamo's config is per thread since torch 2.12, so the
+thread sets what the main thread sets (``compiled.configure_dynamo``). But dynamo saves
+and restores process-wide state around every frame it compiles (the default dtype, the
+RNG states, deterministic algorithms, fp32 matmul precision: ``preserve_global_state``),
+and raises if another thread changed it meanwhile; the main thread's ``transformers``
+sets the default dtype while it builds the target. So: everything the main thread
+builds meanwhile names its dtypes (``draft.init_params``; ``io.target.load_target``
+casts the whole model to the compute dtype after loading, whatever a restore did to a
+part of it), the join sets the default dtype back if a restore left it changed, and
+runs before a resumed run restores its RNG state; a pass that saw the default dtype
+change, or that dynamo stopped for a change of global state, is run again
+(``MAX_PASSES``).
 
 Not used under torchrun or sequence parallelism (their collectives need every rank),
 nor where nothing compiles (the CPU): ``start_precompile`` returns None there.
@@ -126,7 +139,7 @@ def synthetic_vocab_map(vocab_size: int, draft_vocab_size: int,
     from eagle3fn.vocab import build_vocab_map
 
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    counts[torch.linspace(0, vocab_size - 1, draft_vocab_size).long()] = 1
+    counts[torch.arange(draft_vocab_size) * (vocab_size - 1) // max(draft_vocab_size - 1, 1)] = 1
     d2t, t2d = build_vocab_map(counts, draft_vocab_size)
     return d2t.to(device), t2d.to(device)
 
@@ -196,6 +209,7 @@ class Precompile:
     thread: threading.Thread
     trims: tuple[str, ...]
     started: float
+    default_dtype: torch.dtype
     finished: float | None = None
     error: BaseException | None = None
     passes: int = 0
@@ -207,6 +221,10 @@ class Precompile:
         t0 = time.perf_counter()
         self.thread.join()
         waited = time.perf_counter() - t0
+        if torch.get_default_dtype() != self.default_dtype:  # dynamo's restore of another thread's setting
+            torch.set_default_dtype(self.default_dtype)
+            log(f"precompile: the default dtype was left at {torch.get_default_dtype()} by a compile that "
+                f"overlapped the target's construction; set back to {self.default_dtype}")
         if self.error is not None:
             log(f"precompile: failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:200]}); "
                 f"the first step compiles instead (waited {waited:.1f} s)")
@@ -227,20 +245,28 @@ def start_precompile(cfg: TrainConfig, device: torch.device, ttt_cfg: TTTConfig,
         return None
     trims = trim_paths(cfg.trim_mode)
     length = min(cfg.row_length if cfg.packs else cfg.max_length, SYNTHETIC_LENGTH)
-    job = Precompile(thread=None, trims=trims, started=time.perf_counter())  # type: ignore[arg-type]
     default_dtype = torch.get_default_dtype()  # the run's, which its graphs are guarded on
+    job = Precompile(thread=None, trims=trims, started=time.perf_counter(),  # type: ignore[arg-type]
+                     default_dtype=default_dtype)
+    index = (device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else None  # a new thread starts on device 0
 
     def work() -> None:
         try:
             configure_dynamo()
-            if device.type == "cuda" and device.index is not None:  # a new thread starts on device 0
-                torch.cuda.set_device(device.index)
+            if index is not None:
+                torch.cuda.set_device(index)
             for job.passes in range(1, MAX_PASSES + 1):
                 with DefaultDtypeWatch() as watch:
                     before = torch.get_default_dtype()
-                    compile_step(ttt_cfg.draft, ttt_cfg, trims, batch_size=cfg.batch_size, length=length,
-                                 packed=cfg.packs, target_hidden=target_hidden, master=master, dtype=dtype,
-                                 device=device)
+                    try:
+                        compile_step(ttt_cfg.draft, ttt_cfg, trims, batch_size=cfg.batch_size, length=length,
+                                     packed=cfg.packs, target_hidden=target_hidden, master=master, dtype=dtype,
+                                     device=device)
+                    except AssertionError as e:  # dynamo: the main thread changed global state meanwhile
+                        if "state changed while dynamo tracing" not in str(e) or job.passes == MAX_PASSES:
+                            raise
+                        continue
                 if not watch.calls and before == torch.get_default_dtype() == default_dtype:
                     break
         except BaseException as e:  # noqa: BLE001 - reported by join, never lost
