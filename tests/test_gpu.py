@@ -418,11 +418,6 @@ def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
     joined = {}
     join = precompile_module.Precompile.join
 
-    def counted_join(self, log):
-        join(self, log)
-        joined["graphs"] = RecompileCounter.graphs()
-    monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
-
     def run(out, precompile):
         lines = []
         torch.manual_seed(0)
@@ -430,6 +425,10 @@ def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
                           draft_vocab_size=64, batch_size=2, ttt_length=3, max_length=160, max_steps=3,
                           save_every=1000, device="cuda", precompile=precompile)
         with RecompileCounter() as counter:
+            def counted_join(self, log):
+                join(self, log)
+                joined.update(graphs=RecompileCounter.graphs(), recompiles=counter.count)
+            monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
             train(cfg, log=lines.append)
         return lines, counter.count, read_checkpoint(out / CHECKPOINT)
 
@@ -437,7 +436,8 @@ def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
     lines, recompiles, pre = run(tmp_path / "pre", True)
     said = [line for line in lines if line.startswith("precompile:")]
     assert len(said) == 1 and "compiled in" in said[0], said
-    assert RecompileCounter.graphs() == joined["graphs"] and recompiles == 0, (lines, recompiles)
+    # the precompile's own passes may recompile (a pass under transformers' default dtype); the run must not
+    assert RecompileCounter.graphs() == joined["graphs"] and recompiles == joined["recompiles"], (lines, recompiles)
     _, _, plain = run(tmp_path / "plain", False)
     for name, p in plain["params"].items():
         assert torch.equal(pre["params"][name], p), name
