@@ -425,8 +425,8 @@ def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
                           draft_vocab_size=64, batch_size=2, ttt_length=3, max_length=160, max_steps=3,
                           save_every=1000, device="cuda", precompile=precompile)
         with RecompileCounter() as counter:
-            def counted_join(self, log):
-                join(self, log)
+            def counted_join(self, log, out=None):
+                join(self, log, out)
                 joined.update(graphs=RecompileCounter.graphs(), recompiles=counter.count)
             monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
             train(cfg, log=lines.append)

@@ -55,8 +55,8 @@ def run(workdir, out, monkeypatch, **kw):  # noqa: F811
     torch._dynamo.reset()
     before = RecompileCounter.graphs()
     with compile_on_cpu("eager"), RecompileCounter(keep=4) as counter:
-        def counted_join(self, log):
-            join(self, log)
+        def counted_join(self, log, out=None):
+            join(self, log, out)
             joined.update(graphs=RecompileCounter.graphs(), recompiles=counter.count)
         monkeypatch.setattr(precompile_module.Precompile, "join", counted_join)
         train(cfg, log=lines.append)
@@ -215,6 +215,8 @@ def test_a_failed_precompile_is_said_and_the_run_goes_on(workdir, tmp_path, monk
     r = run(workdir, tmp_path / "broken", monkeypatch, precompile=True)
     said = [line for line in r.lines if line.startswith("precompile:")]
     assert len(said) == 1 and "failed (RuntimeError: CUDA out of memory (synthetic))" in said[0], said
+    error = tmp_path / "broken" / precompile_module.ERROR_FILE
+    assert str(error) in said[0] and "in broken" in error.read_text()  # the whole traceback
     assert r.late >= 4 and r.ckpt["step"] == 2
 
 

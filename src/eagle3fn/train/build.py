@@ -253,7 +253,7 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
             precompile.thread.join()
         raise
     if precompile is not None:  # before the resume's RNG state: dynamo restores the RNG it saw
-        precompile.join(log)
+        precompile.join(log, out if is_main() else None)
     if state is not None:
         _restore(run, state)
         log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")

@@ -45,6 +45,8 @@ import dataclasses
 import os
 import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -167,6 +169,9 @@ def compile_step(draft: DraftConfig, ttt_cfg: TTTConfig, trims: tuple[str, ...],
         torch.cuda.synchronize(device)
 
 
+ERROR_FILE = "precompile-error.txt"
+"""Where a failed precompile's traceback goes, in the run's out_dir."""
+
 MAX_PASSES = 3
 """The most synthetic steps a precompile runs (``start_precompile``): another one follows
 while the default dtype changed during the last."""
@@ -214,10 +219,11 @@ class Precompile:
     error: BaseException | None = None
     passes: int = 0
 
-    def join(self, log: Callable[[str], None]) -> None:
+    def join(self, log: Callable[[str], None], out: Path | None = None) -> None:
         """Wait for the thread and say what it did, one line: how long it compiled,
         how long the run waited for it, or why it failed (the first step then compiles
-        what is missing, as without a precompile)."""
+        what is missing, as without a precompile; with ``out``, the failure's whole
+        traceback is written to ``out/precompile-error.txt`` and the line names it)."""
         t0 = time.perf_counter()
         self.thread.join()
         waited = time.perf_counter() - t0
@@ -226,8 +232,13 @@ class Precompile:
             log(f"precompile: the default dtype was left at {torch.get_default_dtype()} by a compile that "
                 f"overlapped the target's construction; set back to {self.default_dtype}")
         if self.error is not None:
-            log(f"precompile: failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:200]}); "
-                f"the first step compiles instead (waited {waited:.1f} s)")
+            where = ""
+            if out is not None:
+                (out / ERROR_FILE).write_text("".join(traceback.format_exception(self.error)))
+                where = f"; traceback in {out / ERROR_FILE}"
+            first = (str(self.error).splitlines() or [""])[0][:200]
+            log(f"precompile: failed ({type(self.error).__name__}: {first}); the first step compiles "
+                f"instead (waited {waited:.1f} s{where})")
             return
         again = (f" ({self.passes} passes: the default dtype changed while one ran)" if self.passes > 1
                  else "")
