@@ -236,6 +236,12 @@ class BenchArgs:
     """Target weights, data and data order."""
     device: str = "cuda"
     """``cuda``, ``cuda:N`` or ``cpu`` (a functional check: fp32, eager SpecForge)."""
+    variants: tuple[str, ...] = ()
+    """Also run each loop, mode and packing with these extra ``eagle3fn train`` flags,
+    one run per variant right after the plain one (same target, data and batches): a
+    variant is flags without their leading dashes joined by ``+``, a value after ``=``,
+    e.g. ``precompile`` or ``compile-target+pack-length=8192``. Its rows are reported as
+    ``<mode>+<variant>`` with the flags in ``variant``."""
     train_args: str = ""
     """Extra ``eagle3fn train`` flags for every run, given with ``=`` since they start
     with ``--`` (tyro would read them as its own flags): e.g.
@@ -318,7 +324,8 @@ class Bench:
         root = self.work / "compile" / name
         return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton")}
 
-    def train_argv(self, loop: str, mode: str, out_dir: Path, cache: Path, pack: bool = False) -> list[str]:
+    def train_argv(self, loop: str, mode: str, out_dir: Path, cache: Path, pack: bool = False,
+                   variant: str = "") -> list[str]:
         """The ``eagle3fn train`` arguments of one run."""
         a = self.args
         source = ["--cache", str(cache)] if loop == "offline" else ["--data", str(self.data_path)]
@@ -327,7 +334,8 @@ class Bench:
                 "--max-length", str(a.max_length), "--max-steps", str(a.steps), "--epochs", "1",
                 "--draft-vocab-size", str(self.shape.draft_vocab), "--ttt-length", str(a.ttt_length),
                 "--lr", str(a.lr), "--seed", str(a.seed), "--device", self.device, "--save-every", str(10**9),
-                "--log-every", "1", "--pack" if pack else "--no-pack", *shlex.split(a.train_args)]
+                "--log-every", "1", "--pack" if pack else "--no-pack", *shlex.split(a.train_args),
+                *variant_flags(variant)]
 
 
 def check_profiling(args: BenchArgs) -> None:
@@ -442,15 +450,29 @@ def _trace_path(bench: Bench, name: str) -> str:
     return str(Path(bench.args.trace_dir) / f"{name.replace('+', '_')}-step{{step}}.trace.json.gz")
 
 
-def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False) -> dict:
-    """One ``eagle3fn train`` run under ``probe``, summarised (``error`` when it failed).
-    Its metrics.jsonl and log stay in ``work/logs``; its out_dir (checkpoints) is removed."""
-    label = f"{mode}+pack" if pack else mode
+def variant_flags(variant: str) -> list[str]:
+    """``--variants``' spelling as ``eagle3fn train`` flags: ``"compile-target+pack-length=8192"``
+    -> ``["--compile-target", "--pack-length", "8192"]``; ``""`` -> ``[]``."""
+    out = []
+    for part in filter(None, variant.split("+")):
+        flag, _, value = part.partition("=")
+        if not re.fullmatch(r"[a-z][a-z0-9.-]*", flag):
+            raise SystemExit(f"--variants {variant!r}: {flag!r} is not a flag name; write flags without "
+                             "their dashes, joined by '+', e.g. precompile+pack-length=8192")
+        out += [f"--{flag}", *([value] if value else [])]
+    return out
+
+
+def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = False, variant: str = "") -> dict:
+    """One ``eagle3fn train`` run under ``probe`` (with ``variant_flags(variant)``),
+    summarised (``error`` when it failed). Its metrics.jsonl and log stay in
+    ``work/logs``; its out_dir (checkpoints) is removed."""
+    label = "+".join(filter(None, (mode, "pack" if pack else "", variant.replace("=", "-"))))
     name = f"{loop}-{label}"
     out_dir = bench.work / "runs" / name
     shutil.rmtree(out_dir, ignore_errors=True)
-    argv = bench.train_argv(loop, mode, out_dir, cache, pack)
-    row = {"loop": loop, "mode": label, "command": _python(argv)}
+    argv = bench.train_argv(loop, mode, out_dir, cache, pack, variant)
+    row = {"loop": loop, "mode": label, "command": _python(argv), **({"variant": variant} if variant else {})}
     compile_dir = bench.work / "compile" / name
     shutil.rmtree(compile_dir, ignore_errors=True)
     try:
@@ -523,6 +545,8 @@ def main(args: BenchArgs) -> dict:
         raise SystemExit(f"--steps {args.steps} --warmup-steps {args.warmup_steps}: need steps >= 2 and "
                          "0 <= warmup-steps < steps")
     check_profiling(args)
+    for variant in args.variants:
+        variant_flags(variant)  # a bad spelling stops here, before any device time
     if args.device == "cpu":  # SpecForge's Triton loss kernel runs interpreted: set before triton loads
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if str(BENCH_DIR) not in sys.path:
@@ -553,7 +577,8 @@ def main(args: BenchArgs) -> dict:
             cache, report["prepare"] = offline_cache(bench)
         for mode in args.modes:
             for pack in args.packs:
-                add(eagle3fn_row(bench, loop, mode, cache, pack))
+                for variant in ("", *args.variants):
+                    add(eagle3fn_row(bench, loop, mode, cache, pack, variant))
         if loop == "offline" and not args.keep_cache:
             shutil.rmtree(cache, ignore_errors=True)
     if args.specforge:

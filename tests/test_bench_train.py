@@ -446,3 +446,14 @@ def test_train_args_are_given_after_an_equals_sign(bench):
     assert args.train_args == "--pack-length 256 --precompile"
     with pytest.raises(SystemExit):
         tyro.cli(bench.BenchArgs, args=["--train-args", "--precompile"])
+
+
+def test_variants_are_train_flags(bench):
+    """--variants' spelling (flags without dashes, joined by '+', values after '=') as
+    the flags passed on; a word that is not a flag name stops the benchmark."""
+    assert bench.variant_flags("") == []
+    assert bench.variant_flags("precompile") == ["--precompile"]
+    assert bench.variant_flags("compile-target+pack-length=8192+ttt.query-buckets=4") == [
+        "--compile-target", "--pack-length", "8192", "--ttt.query-buckets", "4"]
+    with pytest.raises(SystemExit, match="not a flag name"):
+        bench.variant_flags("--precompile")
