@@ -166,3 +166,13 @@ def test_only_the_files_transformers_reads(tmp_path):
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     got = load_embedding_and_head(path, aux_layer_ids=(0, 1, 2), dtype=torch.float32, device="cpu")
     assert isinstance(got, str) and "stored as torch.float8_e4m3fn" in got
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3-text"])
+def test_the_head_where_it_is_asked(kind, tmp_path):
+    """The head on its own device (an offline run keeps it on the host), tied or not."""
+    path = saved(kind, tmp_path / kind)
+    got = load_embedding_and_head(path, aux_layer_ids=(0, 1, 2), dtype=torch.float32, device="cpu",
+                                  head_device="meta")
+    assert got.embed_tokens.device.type == "cpu" and got.head_weight.device.type == "meta"
+    assert got.head_weight.shape == got.embed_tokens.shape

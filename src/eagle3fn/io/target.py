@@ -439,7 +439,8 @@ def _match_key(name: str, keys: dict[str, Path]) -> str | None:
 
 
 def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dtype,
-                            device: torch.device | str) -> TargetWeights | str:
+                            device: torch.device | str,
+                            head_device: torch.device | str | None = None) -> TargetWeights | str:
     """The input embedding and the lm_head weight of the target in ``path``, read from
     its safetensors files by name, without building or loading the rest of the model:
     what training from an offline cache needs of a target (its layers ran in
@@ -449,7 +450,8 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
     the same ``find_text_backbone`` / ``find_lm_head`` / ``get_input_embeddings`` that
     ``load_target`` uses, and its head checks); a tied head reads the embedding. The
     tensors are cast to ``dtype`` on ``device`` as ``load_target`` casts the model, so
-    they are the same values.
+    they are the same values; the head goes to ``head_device`` when given (an offline
+    run reads it once, to start the draft's head from its rows: the host will do).
 
     Returns:
         ``TargetWeights`` (``embed_tokens``, ``head_weight`` ``[V, Ht]``), or a string
@@ -498,9 +500,10 @@ def load_embedding_and_head(path: str | Path, *, aux_layer_ids, dtype: torch.dty
             return f"{found[what]} in {path} has shape {tuple(t.shape)}, the model's {what} {want[what]}"
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             return f"{found[what]} in {path} is stored as {t.dtype} (quantized: transformers dequantizes it)"
-    move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    embedding = move(tensors["embedding"])
-    head = embedding if found["head"] == found["embedding"] else move(tensors["head"])
+    embedding = tensors["embedding"].to(device=device, dtype=dtype)
+    head = tensors["head"].to(device=device if head_device is None else head_device, dtype=dtype)
+    if found["head"] == found["embedding"] and head.device == embedding.device:
+        head = embedding  # tied: one tensor
     return TargetWeights(embed_tokens=embedding, head_weight=head, aux_layer_ids=tuple(aux_layer_ids),
                          source=f"{path}: {found['embedding']}, {found['head']}")
 

@@ -145,9 +145,10 @@ def load_target_for(cfg: TrainConfig, device: torch.device):
 
 
 def offline_target(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]):
-    """What an offline run needs of its target: its embedding and head only
-    (``io.target.load_embedding_and_head``: two tensors read by name, never the model's
-    layers, whose work the cache holds), or the whole target (``load_target_for``) when
+    """What an offline run needs of its target: its embedding (on ``device``) and head
+    (on the host: it only starts the draft's head; the teacher's comes from the cache)
+    only (``io.target.load_embedding_and_head``: two tensors read by name, never the
+    model's layers, whose work the cache holds), or the whole target (``load_target_for``) when
     the held-out evaluation decodes with it (``--eval-holdout`` with
     ``--eval-accept-prompts``), when the target is a GGUF file, or when its checkpoint's
     names cannot be matched (logged, with the reason)."""
@@ -157,7 +158,7 @@ def offline_target(cfg: TrainConfig, device: torch.device, log: Callable[[str], 
         return load_target_for(cfg, device)
     light = ("a GGUF target" if cfg.gguf_file else
              load_embedding_and_head(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
-                                     dtype=compute_dtype(cfg, device)))
+                                     dtype=compute_dtype(cfg, device), head_device="cpu"))
     if isinstance(light, str):
         log(f"offline: loading the whole target ({light}); only its embedding and head are used")
         return load_target_for(cfg, device)
