@@ -406,9 +406,16 @@ def test_precompile_leaves_nothing_to_compile_on_cuda(tmp_path, monkeypatch):
     from eagle3fn.train.config import TrainConfig
     from eagle3fn.train.loop import train
 
-    from recorders import WORDS, save_tiny_target
+    from recorders import WORDS
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    save_tiny_target(tmp_path / "model")
+    from eagle3fn.testing import tiny_chat_tokenizer
+
+    tok = tiny_chat_tokenizer()  # a head dim of 64: FlexAttention's GPU kernels want >= 16
+    LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+                     ).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
     g = torch.Generator().manual_seed(0)
     words = lambda lo, hi: " ".join(WORDS[int(i)] for i in torch.randint(  # noqa: E731
         0, len(WORDS), (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g))
