@@ -22,7 +22,8 @@ import os
 
 import pytest
 import torch
-from recorders import prepare_cache, save_tiny_target, write_tiny_chat
+from recorders import prepare_cache
+from test_train import workdir  # noqa: F401 - the tiny target and chat
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3fn.compiled import RecompileCounter, compile_on_cpu
@@ -172,15 +173,7 @@ def test_control_hooks_inside_a_layer_break_its_graph(oracle):
     assert max_diff(got, want) <= 1e-6
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("compile_target")
-    save_tiny_target(d / "model")
-    write_tiny_chat(d / "chat.jsonl", 6)
-    return d
-
-
-def test_train_compiles_the_target_unless_told_and_keeps_its_fingerprint(workdir):
+def test_train_compiles_the_target_unless_told_and_keeps_its_fingerprint(workdir):  # noqa: F811
     from eagle3fn.train.checkpoint import run_fingerprint
     from eagle3fn.train.sources import load_target_for
 
@@ -199,7 +192,7 @@ def test_train_compiles_the_target_unless_told_and_keeps_its_fingerprint(workdir
     assert fingerprint(cfg) != fingerprint(dataclasses.replace(cfg, lr=2e-4))  # control: a setting that counts
 
 
-def test_prepare_writes_the_same_cache_compiled(workdir, tmp_path):
+def test_prepare_writes_the_same_cache_compiled(workdir, tmp_path):  # noqa: F811
     """``eagle3fn prepare`` with the target compiled (the CPU made to compile) writes the
     cache --no-compile-target writes, bit for bit, with the same fingerprint: either
     resumes the other's cache."""

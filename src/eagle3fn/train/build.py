@@ -208,6 +208,13 @@ def _parallel(cfg: TrainConfig, device: torch.device) -> tuple[Layout | None, to
     return layout, device
 
 
+def ttt_config_for(cfg: TrainConfig, draft_cfg: DraftConfig) -> TTTConfig:
+    """The run's ``TTTConfig``: the draft, ``--ttt-length``, ``--trim``, ``--loss.*`` and
+    the ``--ttt.*`` options."""
+    return TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
+                     **cfg.ttt.config_fields())
+
+
 def frozen_in_compute_dtype(params: dict[str, torch.Tensor], precision: torch.dtype) -> dict[str, torch.Tensor]:
     """``params`` with the frozen ones (no grad: the embedding ``[V, H]``) cast to the
     compute dtype: they need no master copy, and ``Run.compute_params`` then passes them
@@ -225,10 +232,8 @@ def _start_precompile(cfg: TrainConfig, device: torch.device, model_config, prec
         return None
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, text.vocab_size, max_length=cfg.max_length)
-    ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
-                        **cfg.ttt.config_fields())
-    return start_precompile(cfg, device, ttt_cfg, target_hidden=text.hidden_size, master=master,
-                            dtype=precision)
+    return start_precompile(cfg, device, ttt_config_for(cfg, draft_cfg), target_hidden=text.hidden_size,
+                            master=master, dtype=precision)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, out: Path,
@@ -303,8 +308,7 @@ def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str
     # One micro-batch = dp consecutive batches of the order, one per data-parallel rank.
     per_epoch = math.ceil(len(source.items) / (world["dp"] * cfg.grad_accum))
     total = min(cfg.max_steps or cfg.epochs * per_epoch, cfg.epochs * per_epoch)
-    ttt_cfg = TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
-                        **cfg.ttt.config_fields())
+    ttt_cfg = ttt_config_for(cfg, draft_cfg)
     run = Run(cfg=cfg, device=device, precision=precision, layout=layout, out=out, target=target,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,
