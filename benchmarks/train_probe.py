@@ -124,8 +124,8 @@ def probe(record_path: str, argv: list[str]) -> None:
 
     Its settings come from the environment (``probe_env`` / ``probe_settings``): the
     steps run under torch.profiler (``profiles``: one ``profiled`` summary each, with
-    the ``sync_sites`` of the step before it when that one exists and is not profiled
-    too), with Python stacks or not, where their traces go, and how many first steps
+    the ``sync_sites`` of the step before it, its logging included, when that one
+    exists and is not profiled too), with Python stacks or not, where their traces go, and how many first steps
     are timed phase by phase (``first_steps``: ``PhaseClock``'s records), their Python
     stack sampled (``StackSampler``) every ``sample_ms``."""
     import torch
@@ -191,7 +191,17 @@ def probe(record_path: str, argv: list[str]) -> None:
             record["first_steps"].append({"step": k, **phases})
         return result
 
-    step.micro_batch, loop.optimizer_step = micro_batch, optimizer_step
+    real_log_step = loop._log_step
+
+    def log_step(*args, **kwargs):  # a sync-watched step's logging is watched too
+        k = len(record["steps"])
+        if k not in sites_before:
+            return real_log_step(*args, **kwargs)
+        out, sites = sync_sites(lambda: real_log_step(*args, **kwargs))
+        sites_before[k] += [{**site, "site": f"(logging) {site['site']}"} for site in sites]
+        return out
+
+    step.micro_batch, loop.optimizer_step, loop._log_step = micro_batch, optimizer_step, log_step
     step.ttt = clock.timed("forward_s", real_ttt)
     torch.Tensor.backward = clock.timed("backward_s", real_backward)
     for cls, real in real_waits.items():

@@ -30,7 +30,8 @@ from eagle3fn.unrolled import Collectives, gated_counts, ttt
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a step leaves for logging: its ``objective`` (``step_objective``), the
+    """What a step leaves for logging, all on the host: its ``objective``
+    (``step_objective``, CPU float64 tensors holding the device's values exactly), the
     gradient norm before clipping, the learning rate, whether it was non-finite (and
     skipped), and the real tokens it read on this rank."""
 
@@ -87,6 +88,26 @@ def metrics_row(step: int, lr: float, grad_norm: float, obj: Objective, tokens_p
             "kl": as_list(obj.kl_loss), "acc": as_list(obj.acc), "accept": as_list(obj.accept),
             "tau": num(obj.tau.detach()), "tokens_per_s": round(tokens_per_s, 1),
             "nonfinite_skipped": skipped}
+
+
+_LOGGED = tuple(f.name for f in dataclasses.fields(Objective))
+
+
+def _download(head: torch.Tensor, obj: Objective) -> tuple[list[float], Objective]:
+    """The step's one device-to-host copy: the numbers of ``head`` (as floats) and
+    ``obj``'s values (as CPU float64 tensors, exact for fp32 and fp64), read in one
+    transfer. Logging then reads host memory: a step's metrics row (``metrics_row``, a
+    few dozen numbers) used to wait on the device once per number, the first of those
+    waits after the optimizer's update, so the next step's host work started on an
+    idle device."""
+    parts = [getattr(obj, n).detach().double().reshape(-1) for n in _LOGGED]
+    host = torch.cat([head.reshape(-1), *parts]).cpu()
+    values, cut = host[:head.numel()].tolist(), head.numel()
+    fields = {}
+    for name, part in zip(_LOGGED, parts):
+        fields[name] = host[cut:cut + part.numel()].reshape(getattr(obj, name).shape)
+        cut += part.numel()
+    return values, Objective(**fields)
 
 
 def micro_batch(run: Run, order: list[int], index: int):
@@ -147,7 +168,8 @@ def _backward(run: Run, order: list[int], starts: list[int]):
 def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
                    on_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> StepResult:
     """The next optimizer step from ``run.pos`` of ``order``: gradients, the finiteness
-    check (riding the one host sync of the logged gradient norm), AdamW; advances
+    check (riding the step's one host sync, which also brings the logged gradient norm
+    and metrics, ``_download``), AdamW; advances
     ``run.step``, ``run.pos`` / ``run.epoch``. A non-finite step raises RunError naming
     the step, its batches and the last good checkpoint, or with ``on_nonfinite="skip"``
     updates nothing and is counted in ``run.skipped``."""
@@ -161,7 +183,7 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     flags = all_reduce(torch.stack([bad, (~torch.isfinite(grad_norm)).to(bad.dtype)]), "max")
-    grad_norm, flag = torch.stack([grad_norm.double(), flags.max().double()]).tolist()  # one host sync
+    (grad_norm, flag), objective = _download(torch.stack([grad_norm.double(), flags.max().double()]), objective)
     nonfinite = flag > 0
     lr = lr_at(run.step, run.total, cfg)
     if nonfinite:
