@@ -19,16 +19,14 @@ the run trims:
   averaged over all ranks" (SPEC 5, SpecForge's DDP average and ``loss /
   accumulation_steps``), which makes dp-2 and grad-accum-2 over the same batches agree.
 
-Spawned ranks (gloo, one launch for every distributed case) keep the runtime small; a
-hang becomes a failure (collectives time out after 60 s, the launch after 240 s).
+Ranks forked from one preloaded server (tests/ranks.py; gloo, one launch for every
+distributed case) keep the runtime small; a hang becomes a failure (collectives time
+out after 60 s, the launch after 240 s).
 """
 
-import os
-import time
-
 import pytest
+import ranks
 import torch
-import torch.multiprocessing as mp
 from loop_grad_cases import Oracle, concat, data_order, eval_run, first_grads, first_step_items, rank_main
 from recorders import prepare_cache
 from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture
@@ -165,20 +163,7 @@ def spawned(workdir, cache, tmp_path_factory):  # noqa: F811
     """(configs, {name: first gradients}) of every distributed case, one 2-rank launch."""
     root = tmp_path_factory.mktemp("spawned")
     runs = spawned_runs(workdir, cache, root)
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the spawned ranks only: restored below
-    try:
-        ctx = mp.start_processes(rank_main, args=(2, str(root / "pg"), runs, str(root / "grads.pt")),
-                                 nprocs=2, join=False, start_method="spawn")
-    finally:  # left set, it reached later tests' subprocesses (test_kill_resume's bitwise
-        if before is None:  # comparison of a subprocess run with an in-process one)
-            os.environ.pop("OMP_NUM_THREADS", None)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("loop ranks still running after 240 s (hang)")
+    ranks.launch(rank_main, (2, str(root / "pg"), runs, str(root / "grads.pt")), 2, "loop ranks")
     return runs, torch.load(root / "grads.pt", weights_only=False)
 
 

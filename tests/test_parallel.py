@@ -3,21 +3,22 @@
 Each layout runs every case of ``parallel_cases.CASES`` in one launch; rank 0 saves the
 reduced per-step losses and metrics, the gradients after ``full_tensor()`` and the
 parameters after one AdamW step, compared here with the one-rank full-length path on
-the whole batch padded to ``sp*C`` (fp64, 1e-10). The negative controls (tail rows
-emitted twice, denominator = local length) must fail the same comparison. A hang
-becomes a failure: collectives time out after 60 s and the launch after 240 s.
+the whole batch padded to ``sp*C`` (fp64, 1e-10; computed once per family, loss, dp
+and sp: the cases and layouts share them). The negative controls (tail rows emitted
+twice, denominator = local length) must fail the same comparison. A hang becomes a
+failure: collectives time out after 60 s and the launch after 240 s.
 """
 
-import os
-import time
+import functools
 
 import pytest
+import ranks
 import torch
-import torch.multiprocessing as mp
 from parallel_cases import CASES, LAYOUTS, rank_main, reference
 
 from eagle3fn.parallel import ParallelConfig, pad_for_sp, ring_pass, shard_sequence
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp64 references
 FIELDS = ("objective", "step_loss", "kl_loss", "acc", "accept", "tau")
 TOL = 1e-10
 
@@ -35,17 +36,17 @@ def worst_error(got, want):
     return max(errs.items(), key=lambda kv: kv[1])
 
 
+@functools.cache
+def one_rank(family: str, loss, dp: int, sp: int) -> dict:
+    """``reference``: the same for every trim (the one-rank path runs trim "none"), the
+    controls and every layout of the same dp and sp."""
+    return reference(family, "none", loss, dp, sp)
+
+
 def launch(layout_name, tmp_path, timeout_s=240):
     world = LAYOUTS[layout_name][0]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(rank_main, args=(world, str(tmp_path / "pg"), str(tmp_path), layout_name),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{layout_name}: ranks still running after {timeout_s} s (hang)")
+    ranks.launch(rank_main, (world, str(tmp_path / "pg"), str(tmp_path), layout_name), world, layout_name,
+                 timeout_s)
     return torch.load(tmp_path / f"{layout_name}.pt", weights_only=False)
 
 
@@ -54,8 +55,8 @@ def test_layout_equals_one_rank(layout_name, tmp_path):
     world, dp, ring, ulysses = LAYOUTS[layout_name]
     got = launch(layout_name, tmp_path)
     sp = ring * ulysses
-    for name, family, trim, loss, control in CASES:
-        want = reference(family, trim, loss, dp, sp)
+    for name, family, _, loss, control in CASES:
+        want = one_rank(family, loss, dp, sp)
         field, err = worst_error(got[name], want)
         if control is None:
             assert err <= TOL, f"{layout_name} {name}: {field} differs by {err:.3g}"

@@ -15,6 +15,24 @@ from eagle3fn.train.loop import train
 TIMEOUT = 300
 
 
+@pytest.fixture(scope="module")
+def one(workdir, tmp_path_factory):  # noqa: F811
+    """Final weights of the one-process run the sequence-parallel runs must reproduce
+    (trim backbone, token_mean, one epoch): one run for the module."""
+    out = tmp_path_factory.mktemp("one")
+    train(config(workdir, out, epochs=1, trim="backbone", trim_loss_positions=False,
+                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
+    return final_params(out)
+
+
+@pytest.fixture(scope="module")
+def other_seed(workdir, tmp_path_factory):  # noqa: F811
+    """Final weights of the same one-epoch run with another seed (the negative control)."""
+    out = tmp_path_factory.mktemp("other")
+    train(config(workdir, out, epochs=1, seed=3), log=lambda s: None)
+    return final_params(out)
+
+
 def torchrun(nproc, workdir, out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "eagle3fn.cli", "train", "--model", str(workdir / "model"),
@@ -29,17 +47,14 @@ def torchrun(nproc, workdir, out, *extra):
 
 @pytest.mark.parametrize("layout", [("--parallel.ring", "2"), ("--parallel.ulysses", "2")],
                          ids=["ring2", "ulysses2"])
-def test_sequence_parallel_training_equals_one_process(workdir, tmp_path, layout):  # noqa: F811
+def test_sequence_parallel_training_equals_one_process(workdir, tmp_path, layout, one, other_seed):  # noqa: F811
     """token_mean divides by global gated rows, so the sequence padding to sp*C does not
     change the objective: two ranks must train the one-process weights (fp32 rounding).
     Negative control: another seed is far from both."""
-    one = tmp_path / "one"
-    train(config(workdir, one, epochs=1, trim="backbone", trim_loss_positions=False,
-                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
     two = tmp_path / "two"
     printed = torchrun(2, workdir, two, *layout)
     assert printed.count("step 4/4") == 1  # rank 0 alone logs
-    a, b = final_params(one), final_params(two)
+    a, b = one, final_params(two)
     rel = lambda x, y: ((x - y).abs().max() / y.abs().max()).item()  # noqa: E731 - SPEC 8
     # Adam turns fp32 rounding of tiny gradients (summed in another order across the
     # ranks) into steps of up to lr, so after 4 steps the weights agree to a few 1e-4,
@@ -48,23 +63,19 @@ def test_sequence_parallel_training_equals_one_process(workdir, tmp_path, layout
     TOL = 5e-4
     for n in a:
         assert rel(b[n], a[n]) <= TOL, (n, rel(b[n], a[n]))
-    other = tmp_path / "other"
-    train(config(workdir, other, epochs=1, seed=3), log=lambda s: None)
-    c = final_params(other)
+    c = other_seed
     # Negative control: another seed is far outside the tolerance on some weight.
     assert max(rel(c[n], a[n]) for n in a) > 20 * TOL
 
 
-def test_data_parallel_runs_resumes_and_saves_full_tensors(workdir, tmp_path):  # noqa: F811
+def test_data_parallel_runs_resumes_and_saves_full_tensors(workdir, tmp_path, one):  # noqa: F811
     out = tmp_path / "dp"
     torchrun(2, workdir, out, "--max-steps", "1")
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 1
     printed = torchrun(2, workdir, out)  # resumes at step 1 and finishes the epoch
     assert "resumed" in printed and "step 2/2" in printed
     shapes = {n: p.shape for n, p in final_params(out).items()}  # whole tensors, not shards
-    one = tmp_path / "one"
-    train(config(workdir, one, epochs=1, max_steps=1), log=lambda s: None)
-    assert shapes == {n: p.shape for n, p in final_params(one).items()}
+    assert shapes == {n: p.shape for n, p in one.items()}  # the one-process run's
 
 
 def test_world_size_not_divisible_is_a_clear_error(workdir, tmp_path):  # noqa: F811
@@ -76,7 +87,7 @@ def test_world_size_not_divisible_is_a_clear_error(workdir, tmp_path):  # noqa: 
     assert run.returncode != 0 and "not divisible" in run.stdout + run.stderr
 
 
-def test_offline_cache_under_sequence_parallelism(workdir, tmp_path):  # noqa: F811
+def test_offline_cache_under_sequence_parallelism(workdir, tmp_path, one):  # noqa: F811
     """Each rank reads only its window of the cache's large tensors; the run trains the
     one-process online weights."""
     from eagle3fn.cli.main import main
@@ -84,11 +95,8 @@ def test_offline_cache_under_sequence_parallelism(workdir, tmp_path):  # noqa: F
     cache = tmp_path / "cache"
     main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
           "--out", str(cache), "--batch-size", "2", "--storage", "float32"])
-    one = tmp_path / "one"
-    train(config(workdir, one, epochs=1, trim="backbone", trim_loss_positions=False,
-                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
     two = tmp_path / "two"
     torchrun(2, workdir, two, "--parallel.ring", "2", "--cache", str(cache))
-    a, b = final_params(one), final_params(two)
+    a, b = one, final_params(two)
     for n in a:
         assert ((b[n] - a[n]).abs().max() / a[n].abs().max()).item() <= 1e-4, n
