@@ -1,5 +1,8 @@
 """A training process killed with SIGKILL mid-run resumes to the same weights and curve,
-online and from the offline feature cache."""
+online and from the offline feature cache.
+
+Every run is on one thread (the subprocesses and the in-process run alike: the thread
+count changes the rounding): two threads per process crawl on a busy 2-core machine."""
 
 import os
 import signal
@@ -15,13 +18,14 @@ from eagle3fn.train.config import TrainConfig
 from eagle3fn.train import CHECKPOINT, METRICS, train
 from eagle3fn.train.metrics import read_metrics
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = dict(draft_vocab_size=64, batch_size=1, epochs=2, ttt_length=3, save_every=1, lr=1e-3,
                 trim_loss_positions=True, pack=False)  # a step per conversation: room to kill mid-run
 
 
 @pytest.mark.parametrize("source", ["online", "cache"])
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, source, monkeypatch):
-    n = 24 if source == "online" else 12  # conversations; two epochs of one per step
+    n = 12  # conversations; two epochs of one per step
     save_tiny_target(tmp_path / "model")
     write_tiny_chat(tmp_path / "chat.jsonl", n)
     total = 2 * n
@@ -34,7 +38,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path, sour
     flags = [(f"--no-{k}" if v is False else f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}"))
              for k, v in {**data, **SETTINGS}.items()]
     cmd = [sys.executable, "-m", "eagle3fn.cli", "train", *flags, f"--out-dir={killed}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     # Each step writes its metrics row, then its checkpoint (save_every=1): kill once a
     # few steps are in, well before the end (a step takes tens of milliseconds).
