@@ -317,19 +317,23 @@ def test_flops_negative_control():
     assert rel(f.backbone_gemm + f.head + f.teacher, gemm) > 0.10
 
 
-def real_mask_blocks(args: PlanArgs, wrong_mask=False) -> list[int]:
+def real_mask_blocks(args: PlanArgs) -> tuple[list[int], list[int]]:
     """Per step, the partial + full blocks of the ``packed_block_mask`` the real ``ttt``
-    builds (forward, FlexAttention's CPU reference) for the plan's synthetic batch.
-    ``wrong_mask``: every query's window one key block too long (a code change the
-    comparison must catch)."""
+    builds (forward, FlexAttention's CPU reference) for the plan's synthetic batch, and
+    those of the mask it would build with every query's window one key block too long
+    (a code change the comparison must catch; built from the same call's arguments,
+    which come from the row map alone, so one run gives both)."""
     real_mask = attention_module.packed_block_mask
-    counts = []
+    counts, wrong = [], []
+
+    def blocks(mask):
+        return int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
 
     def spy(start, last, num_queries, key_len, mask_mod, tables=None):
-        if wrong_mask:  # the tables planned on the host are those of the real windows
-            last, tables = last + attention_module.FLEX_BLOCK, None
         mask = real_mask(start, last, num_queries, key_len, mask_mod, tables)
-        counts.append(int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()))
+        counts.append(blocks(mask))
+        # the tables planned on the host are those of the real windows
+        wrong.append(blocks(real_mask(start, last + attention_module.FLEX_BLOCK, num_queries, key_len, mask_mod)))
         return mask
 
     features, rm, params, d2t, t2d = batch(args)
@@ -339,7 +343,7 @@ def real_mask_blocks(args: PlanArgs, wrong_mask=False) -> list[int]:
         mp.setattr(attention_module, "packed_block_mask", spy)
         mp.setattr(flex_module, "_validate_device", lambda *a, **kw: None)
         unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
-    return counts
+    return counts, wrong
 
 
 @pytest.mark.parametrize("trim,pattern,B", [
@@ -353,9 +357,10 @@ def test_flex_blocks_match_packed_block_mask(trim, pattern, B):
     args = dataclasses.replace(small(seq_len=1000, density=0.2, trim=trim, pattern=pattern,
                                      batch=B), attention="flex")
     planned = [int(x) for x in plan_rows(args).attention_blocks]
-    assert planned == real_mask_blocks(args)
+    real, wrong = real_mask_blocks(args)
+    assert planned == real
     assert len(set(planned)) == 1 or trim == "backbone"  # the same every step untrimmed
-    assert planned != real_mask_blocks(args, wrong_mask=True)
+    assert planned != wrong
 
 
 def test_closed_form_blocks_equal_packed_block_mask():
