@@ -4,6 +4,7 @@ weights; data parallelism runs, resumes, and writes a layout-free checkpoint."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,22 +16,29 @@ from eagle3fn.train.loop import train
 TIMEOUT = 300
 
 
+def one_process(cfg) -> dict:
+    """Final weights of ``cfg``'s run in this process, on one thread like each rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg, log=lambda s: None)
+    finally:
+        torch.set_num_threads(threads)
+    return final_params(Path(cfg.out_dir))
+
+
 @pytest.fixture(scope="module")
 def one(workdir, tmp_path_factory):  # noqa: F811
     """Final weights of the one-process run the sequence-parallel runs must reproduce
     (trim backbone, token_mean, one epoch): one run for the module."""
-    out = tmp_path_factory.mktemp("one")
-    train(config(workdir, out, epochs=1, trim="backbone", trim_loss_positions=False,
-                 loss=LossConfig(normalization="token_mean")), log=lambda s: None)
-    return final_params(out)
+    return one_process(config(workdir, tmp_path_factory.mktemp("one"), epochs=1, trim="backbone",
+                              trim_loss_positions=False, loss=LossConfig(normalization="token_mean")))
 
 
 @pytest.fixture(scope="module")
 def other_seed(workdir, tmp_path_factory):  # noqa: F811
     """Final weights of the same one-epoch run with another seed (the negative control)."""
-    out = tmp_path_factory.mktemp("other")
-    train(config(workdir, out, epochs=1, seed=3), log=lambda s: None)
-    return final_params(out)
+    return one_process(config(workdir, tmp_path_factory.mktemp("other"), epochs=1, seed=3))
 
 
 def torchrun(nproc, workdir, out, *extra):
