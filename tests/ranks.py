@@ -3,9 +3,9 @@ one launcher, a hang turned into a failure.
 
 The ranks are forked from one forkserver per test session that has already imported
 torch, its distributed tensors and the case modules: a spawned rank would import them
-again (about 3 s of CPU per rank on a 2-core machine, 16 ranks a session). The server
+again (about 3 s of CPU per rank on a 2-core machine, 18 ranks a session). The server
 starts on the first launch, with ``OMP_NUM_THREADS=1`` (tiny fp64 shapes: threads only
-add scheduling noise, and the ranks share 2 cores); it runs no torch op, so no thread
+add scheduling noise, and the ranks share 2 cores); it runs no torch op, so no OpenMP
 pool is forked. Every rank still sets its own threads and deterministic algorithms.
 """
 
