@@ -20,6 +20,8 @@ from eagle3fn.train import CHECKPOINT, METRICS, TrainConfig, load_run, train
 from eagle3fn.train.checkpoint import BEST
 from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny runs: 2 threads crawl on a busy CPU
+
 
 def eval_rows(out):
     rows = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
