@@ -15,7 +15,7 @@ from eagle3fn.io.cache import FeatureCache, cache_info, layout
 from eagle3fn.train import CHECKPOINT, train
 from eagle3fn.train.config import TrainConfig
 
-pytestmark = pytest.mark.usefixtures("no_gpu")
+pytestmark = pytest.mark.usefixtures("no_gpu", "one_thread")  # one thread: tiny runs crawl with 2 on a busy CPU
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from eagle3fn.train.checkpoint import CHECKPOINT
 from eagle3fn.train import METRICS, load_run, train
 from eagle3fn.train.metrics import read_metrics
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny runs: 2 threads crawl on a busy CPU
+
 quiet = dict(log=lambda s: None)
 
 

@@ -18,6 +18,8 @@ from eagle3fn.io.packing import (PACK_WINDOW, best_fit_decreasing, collate_packe
 from eagle3fn.loss import LossConfig
 from eagle3fn.shapes import Features
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny runs: 2 threads crawl on a busy CPU
+
 TOKEN, LOCAL = LossConfig(normalization="token_mean"), LossConfig()
 
 
