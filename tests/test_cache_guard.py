@@ -15,7 +15,7 @@ from eagle3fn.io.cache import (MANIFEST, FeatureCache, cache_fingerprint, check_
                                verify_cache)
 from eagle3fn.io.fingerprint import diff, file_fingerprint, short, target_fingerprint
 
-pytestmark = pytest.mark.usefixtures("no_gpu")
+pytestmark = pytest.mark.usefixtures("no_gpu", "one_thread")  # one thread: tiny runs crawl with 2 on a busy CPU
 
 
 def _weights(path, seed, **extra):

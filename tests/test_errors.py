@@ -17,6 +17,8 @@ from eagle3fn.io.model_dir import check_model_dir
 from eagle3fn.io.target import load_target
 from eagle3fn.train import CHECKPOINT, train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: 2 threads crawl on a busy CPU
+
 
 def fails_in_one_line(capsys, argv, code, *needles):
     """Run the CLI on ``argv``; it must exit ``code`` with exactly one

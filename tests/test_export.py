@@ -25,6 +25,8 @@ from eagle3fn.shapes import Features
 from eagle3fn.unrolled import backbone
 from eagle3fn.vocab import build_vocab_map
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: 2 threads crawl on a busy CPU
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, S, K = 2, 10, 3
 AUX = (1, 5, 8)

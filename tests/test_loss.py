@@ -12,6 +12,8 @@ from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.teacher import teacher_table_from_logits
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: 2 threads crawl on a busy CPU
+
 K = 7
 S = 16
 FAMILIES = ["all", "random30", "tail", "single", "last_k", "empty"]

@@ -26,6 +26,8 @@ from eagle3fn.shapes import Features
 from eagle3fn.unrolled import TTTConfig, eager_attention, ttt
 from eagle3fn.vocab import build_vocab_map
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: 2 threads crawl on a busy CPU
+
 TOKEN, LOCAL = LossConfig(normalization="token_mean"), LossConfig()
 DOCS = (7, 3, 9, 5, 2, 8, 6)  # best fit, longest first, into 16: rows [2, 0], [5, 6, 4], [3, 1]
 ROW = 16

@@ -34,6 +34,8 @@ from eagle3fn.teacher import DEFAULT_CHUNK_SIZE
 from eagle3fn.unrolled import TTTConfig, choose_trim
 from eagle3fn.vocab import build_vocab_map
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: 2 threads crawl on a busy CPU
+
 # Small shapes with distinct sizes (H != h*d != g*d != I) and C = 300 (not a multiple
 # of the flex block); Vd large enough that the unfused head dominates trim="none".
 SMALL = dict(seq_len=300, hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16,
