@@ -309,7 +309,9 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
     else:
         supervised_flat = torch.zeros(B * T, dtype=torch.bool, device=positions.device)
-        supervised_flat[positions] = True
+        # index_fill_, not ``[positions] = True``: that copies the scalar from the host
+        # (a sync at every full-path step, seen under CUDA's sync debug mode).
+        supervised_flat.index_fill_(0, positions, True)
         s = torch.arange(B * T, device=positions.device)
         # A teacher at every position; the last one of each buffer has no z[s+1] and is
         # never supervised, so any row of z may stand in for it.
