@@ -123,12 +123,11 @@ class PrepareArgs:
     aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
     """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
     per token and aux layer (about half the bytes of bfloat16; lossy, see docs/cache.md)."""
-    compile_target: bool = False
+    compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
-    shard). Off by default until it is timed on the GPU (docs/dataflow.md). The cache
-    differs only by rounding and keeps its fingerprint (a cache may be resumed with
-    either)."""
+    shard; docs/dataflow.md). The cache differs only by rounding and keeps its
+    fingerprint (a cache may be resumed with either). The CPU runs eagerly."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
