@@ -222,8 +222,9 @@ class TrainConfig:
     run's shapes; ``train.precompile``), so the first step finds them compiled instead
     of compiling them after the load. The run waits for it before its first step and
     logs what it took (``precompile: ...``); a failed precompile is logged and the first
-    step compiles as without it. Results are bitwise the same either way. Off by default
-    until timed on the GPU (docs/benchmarks.md). Not under torchrun."""
+    step compiles as without it. Results are bitwise the same either way. Off by default:
+    on an H200 it did not shorten a cold start (the two threads slow each other;
+    docs/benchmarks.md). Not under torchrun."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is NaN/Inf: ``error`` stops the run naming the
     step, the batch and the last good checkpoint (nothing non-finite is saved);
