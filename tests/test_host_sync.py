@@ -14,10 +14,10 @@ before, reads every number on its own (at least 3k + 2 reads), and the counter s
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-import pytest
 import torch
-from recorders import save_tiny_target, write_tiny_chat
+from test_train import workdir  # noqa: F401 - the tiny target and 8 conversations
 
 import eagle3fn.train.step as step_module
 from eagle3fn.shapes import Objective
@@ -32,7 +32,7 @@ class OnDevice(torch.Tensor):
     """A tensor standing for one on the device: ``reads`` counts the reads of its
     values into Python or host memory; a ``.cpu()`` copy is a plain tensor."""
 
-    reads: list[str] = []
+    reads: ClassVar[list[str]] = []
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -50,15 +50,7 @@ def on_device(obj: Objective) -> Objective:
     return Objective(**{f.name: getattr(obj, f.name).as_subclass(OnDevice) for f in dataclasses.fields(obj)})
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sync")
-    save_tiny_target(d / "model")
-    write_tiny_chat(d / "chat.jsonl", 24)
-    return d
-
-
-def test_one_read_of_the_device_per_step(workdir, tmp_path, monkeypatch):
+def test_one_read_of_the_device_per_step(workdir, tmp_path, monkeypatch):  # noqa: F811
     ttt = step_module.ttt
     monkeypatch.setattr(step_module, "ttt", lambda *a, **k: on_device(ttt(*a, **k)))
     per_step = []
