@@ -168,8 +168,9 @@ def _backward(run: Run, order: list[int], starts: list[int]):
 def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
                    on_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> StepResult:
     """The next optimizer step from ``run.pos`` of ``order``: gradients, the finiteness
-    check (riding the step's one host sync, which also brings the logged gradient norm
-    and metrics, ``_download``), AdamW; advances
+    check (riding the step's one device read, which also brings the logged gradient
+    norm and metrics, ``_download``; one process with host masks makes no other), AdamW;
+    advances
     ``run.step``, ``run.pos`` / ``run.epoch``. A non-finite step raises RunError naming
     the step, its batches and the last good checkpoint, or with ``on_nonfinite="skip"``
     updates nothing and is counted in ``run.skipped``."""
