@@ -274,3 +274,29 @@ def test_gpu_inductor_layers_within_bf16_rounding():
         assert r["wrong"] > 10 * (1.5 * r["eager"] + 1e-3), r
     for r in rows:
         assert r.get("recompiles", 0) == 0 and r.get("breaks", 0) == 0, r
+
+
+@pytest.mark.parametrize("kind", sorted(set(__import__("test_target").BUILD) - {"llama"}))  # llama: above
+def test_every_target_family_compiles_to_its_eager_features(kind):
+    """--compile-target is on by default, so every family ``load_target`` takes (text
+    models and the multimodal wrappers, tests/test_target.py's tiny builds; Llama is the
+    tests above) gives its eager features with its layers compiled, with no graph
+    break. Control: the compiled forwards wired to the wrong layers are caught."""
+    from test_target import inputs
+    from test_target import target as family_target
+    from torch._dynamo.utils import counters
+
+    target = family_target(kind)
+    ids, attention, _ = inputs(kind, image=False)
+    want = target_features(target, ids, attention)
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    with compile_on_cpu("aot_eager"):
+        compiled = compile_decoder_layers(target)
+        got = target_features(compiled, ids, attention)
+        layers = compiled.compiled_layers
+        wrong = target_features(dataclasses.replace(compiled, compiled_layers=layers[1:] + layers[:1]),
+                                ids, attention)
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert max_diff(got, want) <= 1e-6, max_diff(got, want)
+    assert max_diff(wrong, want) > 1e-3
