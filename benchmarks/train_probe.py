@@ -125,9 +125,10 @@ def probe(record_path: str, argv: list[str]) -> None:
     Its settings come from the environment (``probe_env`` / ``probe_settings``): the
     steps run under torch.profiler (``profiles``: one ``profiled`` summary each, with
     the ``sync_sites`` of the step before it, its logging included, when that one
-    exists and is not profiled too), with Python stacks or not, where their traces go, and how many first steps
-    are timed phase by phase (``first_steps``: ``PhaseClock``'s records), their Python
-    stack sampled (``StackSampler``) every ``sample_ms``."""
+    exists and is not profiled too), with Python stacks or not, where their traces go,
+    and how many first steps are timed phase by phase (``first_steps``:
+    ``PhaseClock``'s records), their Python stack sampled (``StackSampler``) every
+    ``sample_ms``."""
     import torch
 
     from eagle3fn.cli import main as cli

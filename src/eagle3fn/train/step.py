@@ -91,23 +91,21 @@ def metrics_row(step: int, lr: float, grad_norm: float, obj: Objective, tokens_p
 
 
 _LOGGED = tuple(f.name for f in dataclasses.fields(Objective))
+"""The ``Objective`` fields a step's metrics row is made from (all of them)."""
 
 
 def _download(head: torch.Tensor, obj: Objective) -> tuple[list[float], Objective]:
-    """The step's one device-to-host copy: the numbers of ``head`` (as floats) and
-    ``obj``'s values (as CPU float64 tensors, exact for fp32 and fp64), read in one
-    transfer. Logging then reads host memory: a step's metrics row (``metrics_row``, a
-    few dozen numbers) used to wait on the device once per number, the first of those
-    waits after the optimizer's update, so the next step's host work started on an
-    idle device."""
+    """The step's one device-to-host copy: ``head`` ``[n]`` as n floats and ``obj``'s
+    tensors (0-d and ``[k]``) as CPU float64 tensors of the same shapes (exact for fp32
+    and fp64), read in one transfer. Logging then reads host memory: a step's metrics
+    row (``metrics_row``, a few dozen numbers) used to wait on the device once per
+    number, the first of those waits after the optimizer's update, so the next step's
+    host work started on an idle device."""
     parts = [getattr(obj, n).detach().double().reshape(-1) for n in _LOGGED]
     host = torch.cat([head.reshape(-1), *parts]).cpu()
-    values, cut = host[:head.numel()].tolist(), head.numel()
-    fields = {}
-    for name, part in zip(_LOGGED, parts):
-        fields[name] = host[cut:cut + part.numel()].reshape(getattr(obj, name).shape)
-        cut += part.numel()
-    return values, Objective(**fields)
+    values, *pieces = host.split([head.numel(), *(p.numel() for p in parts)])
+    return values.tolist(), Objective(**{n: piece.reshape(getattr(obj, n).shape)
+                                         for n, piece in zip(_LOGGED, pieces)})
 
 
 def micro_batch(run: Run, order: list[int], index: int):
@@ -169,9 +167,8 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
                    on_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> StepResult:
     """The next optimizer step from ``run.pos`` of ``order``: gradients, the finiteness
     check (riding the step's one device read, which also brings the logged gradient
-    norm and metrics, ``_download``; one process with host masks makes no other), AdamW;
-    advances
-    ``run.step``, ``run.pos`` / ``run.epoch``. A non-finite step raises RunError naming
+    norm and metrics, ``_download``; one process with host masks makes no other),
+    AdamW; advances ``run.step``, ``run.pos`` / ``run.epoch``. A non-finite step raises RunError naming
     the step, its batches and the last good checkpoint, or with ``on_nonfinite="skip"``
     updates nothing and is counted in ``run.skipped``."""
     cfg = run.cfg
