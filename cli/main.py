@@ -146,6 +146,8 @@ class VersionArgs:
 
 
 def version(args: VersionArgs) -> None:
+    """Print pyproject.toml's version as installed (``eagle3fn.__version__``, read from the
+    package metadata); ``eagle3fn --version`` prints the same."""
     print(eagle3fn.__version__)
 
 
@@ -190,10 +192,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("EAGLE3FN_DEBUG", "0") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    if argv[:1] == ["--version"]:
+        return version(VersionArgs())
     args = tyro.extras.subcommand_cli_from_dict(
         {name: config for name, (config, _) in COMMANDS.items()},
         prog="eagle3fn",
-        description="EAGLE-3 draft training that computes only what is supervised.",
+        description="EAGLE-3 draft training that computes only what is supervised "
+                    "(eagle3fn --version prints the version).",
         args=argv,
     )
     command = next(run for config, run in COMMANDS.values() if isinstance(args, config))

@@ -105,6 +105,7 @@ def test_console_script_in_this_install():
     import eagle3fn
 
     assert _run([exe, "version"]).stdout.strip() == eagle3fn.__version__
+    assert _run([exe, "--version"]).stdout.strip() == eagle3fn.__version__
     assert _run([sys.executable, "-m", "eagle3fn.cli", "version"]).stdout.strip() == eagle3fn.__version__
 
 
