@@ -14,6 +14,7 @@ import tyro
 import eagle3fn
 from eagle3fn.cli import data, run
 from eagle3fn.errors import Eagle3fnError
+from eagle3fn.io.stop import Stopped
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
 from eagle3fn.plan import PlanArgs, plan
@@ -187,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     Errors after argument parsing print ``eagle3fn: error: <message>`` (one line) and
     exit 2 (usage) or 1 (runtime); ``--debug`` anywhere on the command line, or
     ``EAGLE3FN_DEBUG=1``, shows the traceback instead. Parse-time errors (a bad flag
-    value, a failed config check) are drawn by tyro and exit 2.
+    value, a failed config check) are drawn by tyro and exit 2. A command stopped by
+    SIGTERM / SIGINT after saving its work (``io.stop.Stopped``) prints ``stopped by
+    SIGTERM at ...; rerun the same command to resume`` and exits 143 / 130.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("EAGLE3FN_DEBUG", "0") not in ("", "0")
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     command = next(run for config, run in COMMANDS.values() if isinstance(args, config))
     try:
         command(args)
+    except Stopped as stopped:  # SIGTERM / SIGINT after a save: not an error, 128 + the signal
+        print(stopped, file=sys.stderr)
+        sys.exit(stopped.exit_code)
     except _USER_ERRORS as error:
         if debug:
             raise

@@ -2,6 +2,13 @@
 optimizer steps (``step``), evaluate the held-out conversations (``evaluate``), save
 (``checkpoint``). ``train`` only orchestrates them.
 
+SIGTERM or SIGINT (``io.stop``) finishes the optimizer step in flight, saves the
+checkpoint and raises ``io.stop.Stopped`` (``stopped by SIGTERM at step N; rerun the
+same command to resume``; the CLI exits 143 / 130); rerunning the command resumes
+bitwise. Under torchrun the request rides the step's all-reduce of its finiteness
+flags, so every rank stops after the same step (torchrun passes a SIGTERM or SIGINT it
+receives on to every rank). A second signal stops at once.
+
 Writes ``metrics.jsonl`` (one row per logged step: loss, per-step kl/acc/accept, tau,
 lr, grad norm, tokens/s, non-finite batches skipped; and a ``"split": "eval"`` row per
 evaluation on the held-out conversations, ``metrics.py``), TensorBoard scalars with
@@ -30,6 +37,7 @@ import torch
 
 from eagle3fn.compiled import compile_backend
 from eagle3fn.io.device import resolve_device
+from eagle3fn.io.stop import StopRequest, graceful_stop
 from eagle3fn.parallel import all_reduce, is_main
 from eagle3fn.train.build import Run, build_run, check_draft_shape, check_paths, open_out_dir
 from eagle3fn.train.checkpoint import BEST, CHECKPOINT, best_record
@@ -61,6 +69,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     is not finite stops the run (RunError) or, with ``on_nonfinite="skip"``, is dropped
     and counted; a resume with another run fingerprint stops, listing the differences.
     A run that fails before its first checkpoint leaves no out_dir it created behind.
+    SIGTERM / SIGINT (handled while it runs, in the main thread) finish the step in
+    flight, save, and raise ``io.stop.Stopped`` (module docstring).
     """
     live = log is None and sys.stdout.isatty()
     log = log or print
@@ -76,9 +86,10 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     out = Path(cfg.out_dir)
     created = open_out_dir(out)
     try:
-        run = build_run(cfg, device, out, log)
-        return _loop(run, log=log if is_main() else (lambda s: None), live=live and is_main(),
-                     on_step=on_step, on_grads=on_grads)
+        with graceful_stop(unit="optimizer step") as stop:
+            run = build_run(cfg, device, out, log)
+            return _loop(run, log=log if is_main() else (lambda s: None), live=live and is_main(),
+                         on_step=on_step, on_grads=on_grads, stop=stop)
     except BaseException:
         if created and not (out / CHECKPOINT).exists() and is_main():
             shutil.rmtree(out, ignore_errors=True)
@@ -106,8 +117,9 @@ def compile_notice() -> str:
             "TORCHINDUCTOR_CACHE_DIR to move it)")
 
 
-def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
-    """Optimizer steps to ``run.total``, with logging, held-out evaluation and saves."""
+def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) -> dict:
+    """Optimizer steps to ``run.total``, with logging, held-out evaluation and saves;
+    after a step that saw a stop request, a save and ``Stopped``."""
     cfg = run.cfg
     metrics = MetricsLog(run.out, resume_step=run.step, tensorboard=cfg.tensorboard) if is_main() else _Discard()
     progress = Progress(run.total, start=run.step, live=live, log=log)
@@ -120,10 +132,14 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
         log(compile_notice())
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
+    if stop.requested:  # during the load: nothing new to save
+        progress.close()
+        metrics.close()
+        raise stop.stopped(f"step {run.step}")
     while run.step < run.total and run.epoch < cfg.epochs:
         order = run.source.order(run.epoch, cfg.seed)
         while True:
-            result = optimizer_step(run, order, log=log, on_grads=on_grads)
+            result = optimizer_step(run, order, log=log, on_grads=on_grads, stop_requested=lambda: stop.requested)
             tokens += result.tokens
             last = _log_step(run, result, tokens, t0, metrics, progress, log) or last
             if run.holdout.items and (run.step == run.total
@@ -133,6 +149,13 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads) -> dict:
                 run.save()
             if on_step is not None:
                 on_step(run.step)
+            # One process reads its own flag; several agree through the step's reduction.
+            if result.stop or (stop.requested and not run.layout):
+                if not (run.step % cfg.save_every == 0 or run.step == run.total):  # not saved above
+                    run.save()
+                progress.close()
+                metrics.close()
+                raise stop.stopped(f"step {run.step}")
             if run.step >= run.total or run.pos == 0:
                 break
     progress.close()
