@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3fn.align import supervised_mask
+from eagle3fn.decoding.graphs import Graphed
 from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, elementwise, rope_cos_sin
 from eagle3fn.io.target import TargetModel, target_features
 from eagle3fn.rowmap import build_rowmap
@@ -567,44 +568,7 @@ def _cached_attend(q_Bh1d: torch.Tensor, k_BgSd: torch.Tensor, v_BgSd: torch.Ten
     return out.reshape(B, 1, h * d)
 
 
-class _Graphed:
-    """``fn()`` (no arguments: it reads and writes fixed tensors) called eagerly, or, with
-    ``graph``, recorded once as a CUDA graph and replayed: the kernels of a whole draft
-    chain launched by one call instead of hundreds of Python-level launches. The first
-    ``prepare`` runs ``fn`` once on a side stream (so lazily built state such as cuBLAS
-    handles and the RoPE frequencies exists before recording) and records it; ``fn``
-    must be idempotent on its inputs, as running it twice is what this does."""
-
-    def __init__(self, fn: Callable[[], None], graph: bool, device: torch.device) -> None:
-        self.fn, self.graph, self.device, self.recorded = fn, graph, device, None
-
-    @property
-    def due(self) -> bool:
-        """A recording is due (graph mode, not recorded yet)."""
-        return self.graph and self.recorded is None
-
-    def prepare(self) -> None:
-        """Record the graph if it is due (no-op when eager or recorded)."""
-        if not self.due:
-            return
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.fn()
-            torch.cuda.current_stream().wait_stream(side)
-            self.recorded = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls of other threads (a training loop's prefetching
-            # reader) during the recording are theirs, not an error of the recording.
-            with torch.cuda.graph(self.recorded, capture_error_mode="thread_local"):
-                self.fn()
-
-    def __call__(self) -> None:
-        if not self.graph:
-            self.fn()
-            return
-        self.prepare()
-        self.recorded.replay()
+_Graphed = Graphed  # moved to eagle3fn.decoding.graphs; the old name stays importable
 
 
 class _StaticDraft:

@@ -1,0 +1,254 @@
+"""eagle3fn.decoding against transformers: the static cache's forwards equal plain full
+forwards, greedy ``generate`` equals ``model.generate`` token for token (refill, limits,
+EOS), sampling follows softmax exactly and depends only on each request's seed. Tiny
+random Llama / Qwen3 models in fp64 on the CPU (argmax ties cannot flip); the CUDA-graph
+path is checked at the end where a GPU is."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from eagle3fn.decoding import (Counters, GenerateConfig, StaticKVCache, cache_bytes, cached_forward, generate,
+                               pick_tokens, prefill)
+from eagle3fn.decoding.static_cache import kv_shape
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def tiny(family: str = "llama", attn: str = "sdpa", vocab: int = 96, dtype=torch.float64, seed: int = 0):
+    config_cls, model_cls = FAMILIES[family]
+    config = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                        attn_implementation=attn, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    return model_cls(config).to(dtype).eval()
+
+
+def prompts_of(lengths, vocab: int = 96, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+LENGTHS = [5, 1, 11, 3, 8, 2, 13]
+LIMITS = [6, 9, 1, 12, 4, 7, 10]
+
+
+def greedy_case(family: str, attn: str):
+    """Model, prompts, limits and the reference answers, with an EOS id that one
+    answer (request 3) reaches mid-way."""
+    model = tiny(family, attn)
+    prompts = prompts_of(LENGTHS)
+    free = hf_generate(model, prompts[3], LIMITS[3])
+    model.generation_config.eos_token_id = free[4]
+    refs = [hf_generate(model, p, n) for p, n in zip(prompts, LIMITS)]
+    return model, prompts, refs
+
+
+def decode_all(model, prompts, cfg, limits=LIMITS, **kw) -> dict[int, tuple[list[int], bool]]:
+    out = {}
+    for index, tokens, eos in generate(model, prompts, cfg, max_new_tokens=limits, **kw):
+        assert index not in out
+        out[index] = (tokens, eos)
+    assert sorted(out) == list(range(len(prompts)))
+    return out
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
+                                         ("qwen3", "eager")])
+def test_greedy_equals_model_generate(family, attn):
+    model, prompts, refs = greedy_case(family, attn)
+    eos = model.generation_config.eos_token_id
+    assert any(len(r) < n and r[-1] == eos for r, n in zip(refs, LIMITS)), "no answer ends on EOS mid-way"
+    counters = Counters()
+    # 3 slots for 7 prompts: slots are refilled; check_every=2 and prefills of <= 24 tokens
+    out = decode_all(model, prompts, GenerateConfig(batch_size=3, check_every=2, prefill_tokens=24),
+                     counters=counters)
+    for i, ref in enumerate(refs):
+        assert out[i] == (ref, ref[-1] == eos), i
+    assert counters.generated_tokens == sum(len(r) for r in refs) and counters.prefills > 3
+
+
+@pytest.mark.parametrize("bug", ["position", "mask"])
+def test_greedy_identity_catches_wrong_positions_and_masks(bug, monkeypatch):
+    """Control: the same comparison fails with positions off by one or a mask that
+    hides each query's own column."""
+    model, prompts, refs = greedy_case("llama", "sdpa")
+    if bug == "position":
+        real = StaticKVCache.position_ids
+        monkeypatch.setattr(StaticKVCache, "position_ids", lambda self, q: real(self, q) + 1)
+    else:
+        real = StaticKVCache.attention_mask
+
+        def shifted(self, q, dtype):  # query i reads columns < n_b + i (misses itself)
+            mask = real(self, q, dtype)
+            return torch.cat((mask[..., :1], mask[..., :-1]), -1)
+        monkeypatch.setattr(StaticKVCache, "attention_mask", shifted)
+    out = decode_all(model, prompts, GenerateConfig(batch_size=3, check_every=2))
+    assert sum(out[i][0] != ref for i, ref in enumerate(refs)) >= 3
+
+
+def test_verify_forward_equals_full_forward_and_rolls_back():
+    """Prefill 3 prompts into a 5-row cache, feed q = 4 tokens per row with the aux
+    features of layers (0, 1): logits and aux equal a plain forward of the whole
+    sequence; then accept 1 of 3 proposals (n += 2) and feed 2 more tokens: the logits
+    equal a plain forward of the accepted sequence. Control: no rollback (n += 4)."""
+    model = tiny("qwen3")
+    prompts = prompts_of([6, 2, 9])
+    tmp, last, _, start, lengths = prefill(model, prompts, dtype=torch.float64, device="cpu")
+    rows = torch.tensor([3, 0, 2])
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            torch.testing.assert_close(last[r], model(torch.tensor([p])).logits[0, -1], rtol=0, atol=1e-12)
+        cache = StaticKVCache(model.config, 5, 24, dtype=torch.float64, device="cpu")
+        cache.load_rows(rows, tmp, start, lengths)
+        feed = torch.randint(0, 96, (5, 4), generator=torch.Generator().manual_seed(3))
+        logits, aux = cached_forward(model, cache, feed, aux_layers=(0, 1))
+        assert logits.shape == (5, 4, 96) and aux.shape == (5, 4, 64)
+        for r, b in enumerate(rows.tolist()):
+            full = model(torch.tensor([prompts[r] + feed[b].tolist()]), output_hidden_states=True)
+            torch.testing.assert_close(logits[b], full.logits[0, -4:], rtol=0, atol=1e-12)
+            torch.testing.assert_close(aux[b], torch.cat(full.hidden_states[1:3], -1)[0, -4:], rtol=0, atol=1e-12)
+        before = cache.lengths.clone()
+        for advance, equal in ((2, True), (4, False)):
+            cache.lengths.copy_(before + advance)
+            more = torch.randint(0, 96, (5, 2), generator=torch.Generator().manual_seed(4))
+            logits, _ = cached_forward(model, cache, more)
+            for r, b in enumerate(rows.tolist()):
+                accepted = prompts[r] + feed[b, :2].tolist() + more[b].tolist()
+                full = model(torch.tensor([accepted])).logits[0, -2:]
+                assert torch.allclose(logits[b], full, rtol=0, atol=1e-12) == equal, (advance, b)
+
+
+def test_cache_memory_formula():
+    model = tiny()
+    cache = StaticKVCache(model.config, 3, 17, dtype=torch.bfloat16, device="cpu")
+    held = sum(x.numel() * x.element_size() for layer in cache.layers for x in (layer.keys, layer.values))
+    assert held == cache_bytes(model.config, 3, 17, torch.bfloat16) == 2 * 3 * 3 * 2 * 17 * 8 * 2
+    assert kv_shape(model.config) == (3, 2, 8)
+
+
+# ------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
+def test_pick_tokens_is_exactly_the_softmax(temperature, top_p):
+    """Token j is picked for a set of u of measure p_j: on a grid of 20000 uniforms the
+    frequencies equal the (nucleus-renormalised) softmax within the grid step. Control:
+    the softmax at another temperature is far off."""
+    logits = torch.randn(2, 9, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    N = 20000
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    freq = torch.stack([torch.bincount(pick_tokens(logits[r].expand(N, -1), u, temperature, top_p), minlength=9)
+                        for r in range(2)]).double() / N
+
+    def expected(t):
+        p = torch.softmax(logits / t, -1)
+        s, order = p.sort(-1, descending=True)
+        keep = (s.cumsum(-1) - s) < top_p
+        q = torch.zeros_like(p).scatter_(1, order, s * keep)
+        return q / q.sum(-1, keepdim=True)
+
+    assert (freq - expected(temperature)).abs().max() <= 2 / N
+    assert (freq - expected(temperature * 1.5)).abs().max() > 0.02
+    if top_p < 1:
+        assert (freq == 0).any()  # the tail outside the nucleus is never picked
+
+
+def test_sampled_first_tokens_follow_the_softmax():
+    """600 requests of one token from the same prompt (seeds 0..599): the counts pass a
+    chi-square test against softmax(logits / T) of the prompt; control: the softmax at
+    2T is rejected."""
+    model = tiny(vocab=12)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # logits spread: temperatures tell apart, every expected count >= 12
+    prompt = prompts_of([5], vocab=12)[0]
+    n, T = 600, 0.8
+    out = decode_all(model, [prompt] * n, GenerateConfig(batch_size=64, temperature=T), limits=[1] * n)
+    counts = torch.bincount(torch.tensor([out[i][0][0] for i in range(n)]), minlength=12).double()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+
+    def p_value(t):
+        expected = n * torch.softmax(logits / t, -1)
+        stat = ((counts - expected) ** 2 / expected).sum()
+        return float(torch.special.gammaincc(torch.tensor((12 - 1) / 2, dtype=torch.float64), stat / 2))
+
+    assert p_value(T) > 1e-3
+    assert p_value(2 * T) < 1e-6
+
+
+def test_sampling_depends_on_the_seed_alone():
+    """The same requests (prompt, seed) sampled in 2 slots and in 7 slots, in another
+    order: the same answers. Control: other seeds give other answers."""
+    model = tiny()
+    prompts = prompts_of(LENGTHS)
+    cfg = GenerateConfig(batch_size=2, temperature=1.0, top_p=0.9, check_every=3)
+    seeds = [100 + i for i in range(len(prompts))]
+    a = decode_all(model, prompts, cfg, seeds=seeds)
+    order = [4, 6, 0, 2, 1, 5, 3]
+    b = decode_all(model, [prompts[i] for i in order], dataclasses.replace(cfg, batch_size=7, check_every=1),
+                   limits=[LIMITS[i] for i in order], seeds=[seeds[i] for i in order])
+    assert all(b[j] == a[i] for j, i in enumerate(order))
+    c = decode_all(model, prompts, cfg, seeds=[200 + i for i in range(len(prompts))])
+    assert sum(c[i] != a[i] for i in range(len(prompts))) >= 3
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("prompts,limits,cfg,match", [
+    ([[1, 2], []], None, GenerateConfig(), "prompt 1 is empty"),
+    ([[1, 2], [3, 500]], None, GenerateConfig(), "token id 500"),
+    ([[1, 2, 3]], None, GenerateConfig(max_new_tokens=10, max_len=12), "needs 13 cache columns"),
+    ([[1, 2, 3]], [0], GenerateConfig(), "max_new_tokens of request 0 is 0"),
+])
+def test_bad_requests_are_refused_before_work(prompts, limits, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        next(generate(tiny(), prompts, cfg, max_new_tokens=limits))
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="top_p=0"):
+        GenerateConfig(top_p=0)
+    with pytest.raises(ValueError, match="sliding"):
+        StaticKVCache(_sliding_config(), 1, 4, dtype=torch.float32, device="cpu")
+
+
+def _sliding_config():
+    config = tiny().config
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    return config
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_graph_replay_equals_eager_and_model_generate(family):
+    """fp32 on the GPU (TF32 off): the CUDA-graph decode equals the eager decode and
+    ``model.generate`` token for token; bf16 graph equals bf16 eager."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(family, dtype=torch.float32).cuda()
+    prompts = prompts_of(LENGTHS)
+    refs = [hf_generate(model, p, n) for p, n in zip(prompts, LIMITS)]
+    cfg = GenerateConfig(batch_size=3, check_every=2)
+    graphed = decode_all(model, prompts, dataclasses.replace(cfg, graph=True))
+    eager = decode_all(model, prompts, dataclasses.replace(cfg, graph=False))
+    assert graphed == eager
+    assert all(graphed[i][0] == ref for i, ref in enumerate(refs))
+    model = model.to(torch.bfloat16)
+    sampled = dataclasses.replace(cfg, temperature=1.0, top_p=0.9)
+    assert decode_all(model, prompts, dataclasses.replace(sampled, graph=True)) == \
+        decode_all(model, prompts, dataclasses.replace(sampled, graph=False))
