@@ -11,6 +11,8 @@ import tyro
 
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.device import default_dtype, resolve_device
+from eagle3fn.io.paths import claim_dir
+from eagle3fn.io.stop import graceful_stop
 from eagle3fn.io.regenerate import GenerationConfig
 
 
@@ -83,7 +85,20 @@ class VocabArgs:
     vocab_size: int | None = None
     """V, the target's lm_head rows (default: the model config's vocab_size)."""
     out: str = "vocab.safetensors"
-    """Where to write d2t / t2d."""
+    """Where to write d2t / t2d (a file path)."""
+    overwrite: bool = False
+    """Replace --out even when it is not a vocab map (an existing map is replaced
+    without it)."""
+
+
+def _is_vocab_map(path) -> bool:
+    from eagle3fn.io.vocab_io import load_vocab_map
+
+    try:
+        load_vocab_map(path)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def vocab(args: VocabArgs) -> None:
@@ -92,7 +107,11 @@ def vocab(args: VocabArgs) -> None:
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.vocab_io import save_vocab_map, vocab_map_from_examples
 
+    from eagle3fn.io.paths import claim_file
+
     _check_inputs(args.model, args.data, weights=False)
+    claim_file(args.out, "eagle3fn vocab", overwrite=args.overwrite, ours=_is_vocab_map,
+               example="vocab.safetensors")
     tok = _tokenizer(args.model)
     V = args.vocab_size or AutoConfig.from_pretrained(args.model.path, **args.model.kwargs()).vocab_size
     examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
@@ -128,6 +147,10 @@ class PrepareArgs:
     elementwise work (one graph for all of them, one extra compilation at the first
     shard; docs/dataflow.md). The cache differs only by rounding and keeps its
     fingerprint (a cache may be resumed with either). The CPU runs eagerly."""
+    overwrite: bool = False
+    """Write the cache into --out even when it is a non-empty directory that holds no
+    cache (it is refused otherwise); files of the same names are replaced, others are
+    left. A cache of other settings there is refused either way."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -136,9 +159,11 @@ class PrepareArgs:
 
 
 def prepare(args: PrepareArgs) -> None:
-    """Check paths and a cache already in ``--out`` (by content fingerprint) before the
-    target is loaded, then write or resume the cache."""
-    from eagle3fn.io.cache import check_resumable, prepare as write
+    """Check paths, that ``--out`` is new, empty or a cache, and a cache already there
+    (by content fingerprint) before the target is loaded, then write or resume the
+    cache. SIGTERM / SIGINT finish the shard in flight and stop (``io.stop.Stopped``);
+    rerunning the command resumes."""
+    from eagle3fn.io.cache import MANIFEST, check_resumable, prepare as write
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.fingerprint import file_fingerprint, target_fingerprint
     from eagle3fn.io.target import compile_decoder_layers, load_target
@@ -155,16 +180,36 @@ def prepare(args: PrepareArgs) -> None:
              "aux_dtype": args.aux_dtype}
     if args.aux_layer_ids is not None:
         given["aux_layer_ids"] = list(args.aux_layer_ids)
+    claim_dir(args.out, "eagle3fn prepare", overwrite=args.overwrite, flag="--out", own_files=(MANIFEST,),
+              mark=False, create=False)
     check_resumable(args.out, fingerprint | given)
-    tok = _tokenizer(args.model)
-    target = load_target(args.model.path, aux_layer_ids=args.aux_layer_ids, dtype=dtype, device=device,
-                         **args.model.kwargs())
-    if args.compile_target:
-        target = compile_decoder_layers(target)
-    examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
-                             on_error=args.data.on_error)
-    write(target, examples, args.out, batch_size=args.batch_size, pad_token_id=tok.pad_token_id or 0,
-          fingerprint=fingerprint, dtype=storage, aux_dtype=args.aux_dtype)
+    with graceful_stop(unit="shard") as stop:
+        tok = _tokenizer(args.model)
+        target = load_target(args.model.path, aux_layer_ids=args.aux_layer_ids, dtype=dtype, device=device,
+                             **args.model.kwargs())
+        if args.compile_target:
+            target = compile_decoder_layers(target)
+        examples = tokenize_file(args.data.path, tok, max_length=args.data.max_length,
+                                 on_error=args.data.on_error)
+        write(target, examples, args.out, batch_size=args.batch_size, pad_token_id=tok.pad_token_id or 0,
+              fingerprint=fingerprint, dtype=storage, aux_dtype=args.aux_dtype, log=_stopping_log(stop))
+
+
+def _stopping_log(stop):
+    """``print``, and after a stop request ``Stopped`` at the line that reports a shard
+    written (``write_cache`` logs it once the shard and the manifest listing it are on
+    disk) or the estimate (the first line, before any shard), so the shard in flight
+    finishes and nothing half-written is left; a rerun resumes after the last shard."""
+    done = [0]
+
+    def log(line: str) -> None:
+        print(line)
+        if line.startswith("wrote shard"):
+            done[0] += 1
+        if stop.requested and (line.startswith("wrote shard") or " shards, " in line and "estimated" in line):
+            raise stop.stopped(f"{line.split()[1] if line.startswith('wrote') else 'the start'} "
+                               f"({done[0]} shards written by this run)")
+    return log
 
 
 @dataclass(kw_only=True)
@@ -240,7 +285,8 @@ def _info(path: str) -> None:
 
 @dataclass(kw_only=True)
 class RegenerateArgs:
-    """Rewrite every assistant turn of chat data with the target (prompts kept), JSONL out."""
+    """Rewrite every assistant turn of chat data with the target (prompts kept), JSONL out:
+    eagle3fn synthesize --prompts under its old name (resumable: rerun the same command)."""
 
     model: ModelSource
     """The target."""
@@ -253,17 +299,8 @@ class RegenerateArgs:
 
 
 def regenerate(args: RegenerateArgs) -> None:
-    from transformers import AutoModelForCausalLM
+    """``eagle3fn synthesize --prompts`` under its old name (cli/synth.py): resumable, with
+    the filter report; every answer kept."""
+    from eagle3fn.cli.synth import regenerate as run
 
-    from eagle3fn.io.data import read_conversations
-    from eagle3fn.io.regenerate import regenerate as run, write_jsonl
-
-    device = args.model.torch_device()
-    _check_inputs(args.model, args.data, weights=True)
-    tok = _tokenizer(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model.path, dtype=args.model.torch_dtype(device),
-                                                 **args.model.kwargs()).to(device).eval()
-    conversations, skipped = read_conversations(args.data.path, on_error=args.data.on_error)
-    new = run(conversations, model, tok, args.generation)
-    n = write_jsonl(args.out, new, [c.tools for c in conversations])
-    print(f"wrote {n} conversations to {args.out} ({skipped} bad lines skipped)")
+    run(args)

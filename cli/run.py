@@ -35,6 +35,9 @@ class ExportArgs:
     best: bool = False
     """Export checkpoint-best.pt (the step with the highest held-out acceptance length,
     written when training measures it) instead of the last checkpoint."""
+    overwrite: bool = False
+    """Write into --out even when it holds files that no ``eagle3fn export`` wrote (it is
+    refused otherwise); files of the same names are replaced, others are left."""
 
 
 def _run_target(cfg: dict, *, weights: bool, tokenizer: bool) -> dict:
@@ -49,9 +52,11 @@ def _run_target(cfg: dict, *, weights: bool, tokenizer: bool) -> dict:
 def export(args: ExportArgs) -> None:
     from transformers import AutoConfig
 
-    from eagle3fn.io.export import export_draft
+    from eagle3fn.io.export import COMMAND, export_draft
+    from eagle3fn.io.paths import claim_dir
     from eagle3fn.train.checkpoint import load_run
 
+    claim_dir(args.out, COMMAND, overwrite=args.overwrite, create=False)  # before the work
     run = load_run(args.run, best=args.best)
     cfg = run["config"]
     target_config = None
@@ -59,7 +64,7 @@ def export(args: ExportArgs) -> None:
         kwargs = _run_target(cfg, weights=False, tokenizer=False)
         target_config = AutoConfig.from_pretrained(cfg["model"], **kwargs).to_dict()
     common = dict(d2t=run["d2t"], t2d=run["t2d"], aux_layer_ids=run["aux_layer_ids"],
-                  target_config=target_config, dtype=getattr(torch, args.dtype))
+                  target_config=target_config, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     if args.format == "speculators":
         path = _export_speculators(args, run, common)
     else:

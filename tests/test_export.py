@@ -21,6 +21,7 @@ from eagle3fn.io.export import (
     load_export,
     rope_scaling_dict,
 )
+from eagle3fn.io.paths import MARKER
 from eagle3fn.shapes import Features
 from eagle3fn.unrolled import backbone
 from eagle3fn.vocab import build_vocab_map
@@ -199,7 +200,7 @@ def test_weights_file_has_no_embedding(tmp_path):
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))}
     assert dtypes.pop("d2t") == torch.int64 and dtypes.pop("t2d") == torch.bool
     assert set(dtypes.values()) == {torch.bfloat16}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG, WEIGHTS]  # no temp files
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, CONFIG, WEIGHTS]  # no temp files
 
 
 def test_config_fields(tmp_path):

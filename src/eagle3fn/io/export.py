@@ -15,7 +15,10 @@ Layout (docs/export.md gives every key and how each engine reads it)::
                          d2t when Vd == V); no embed_tokens (the engines share the
                          target's) unless H != Ht
 
-Both files are written to temporary names and renamed into place. A draft trained with
+Both files are written to temporary names and renamed into place, into a directory
+that is new, empty or an earlier export's (``io.paths.claim_dir``: it holds
+``.eagle3fn-output.json``); another model's directory is refused unless
+``overwrite``. A draft trained with
 ``norm_output=False`` is refused: SGLang and vLLM always norm before lm_head (their
 ``norm_output`` key means something else). ``export_speculators`` writes the
 vllm-project speculators layout instead::
@@ -41,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3fn.draft import DraftConfig, Eagle3Draft
+from eagle3fn.io.paths import atomic_write, claim_dir
 from eagle3fn.rope import ROPE_TYPE_KEYS, RopeConfig
 from eagle3fn.vocab import validate_vocab_map
 
@@ -48,6 +52,8 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 EMBEDDING = "embed_tokens.weight"
+COMMAND = "eagle3fn export"
+"""The writer named in an export directory's ``io.paths.MARKER``."""
 DEFAULT_MAX_POSITIONS = 2048
 """``max_position_embeddings`` without a target config or a scaled RoPE; pass the
 target's config so the draft's rotary cache covers the target's context."""
@@ -151,6 +157,7 @@ def export_draft(
     aux_layer_ids: tuple[int, int, int],
     target_config: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of an EAGLE-3 draft to ``out_dir``.
 
@@ -167,6 +174,8 @@ def export_draft(
             ``num_hidden_layers``; its ``max_position_embeddings`` is copied (else
             ``original * factor`` for llama3 / yarn RoPE, else ``DEFAULT_MAX_POSITIONS``).
         dtype: dtype of the float weights (d2t / t2d keep theirs).
+        overwrite: write into ``out_dir`` even when it holds files that no export wrote
+            (UsageError otherwise, ``io.paths.claim_dir``).
 
     Returns:
         ``out_dir`` as a Path. ``d2t`` / ``t2d`` are written only when Vd < V (with
@@ -179,25 +188,23 @@ def export_draft(
     _check_servable_dtype(cfg, dtype)
     text, ids, tensors = _checked_export(params, cfg, d2t, t2d, aux_layer_ids, target_config)
     config = draft_config_dict(cfg, ids, max_position_embeddings=_max_positions(cfg, text), dtype=dtype)
-    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
+    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype, overwrite)
 
 
 def _write(out_dir, tensors: dict[str, torch.Tensor], config: dict, cfg: DraftConfig,
-           d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype) -> Path:
+           d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype, overwrite: bool) -> Path:
     """``model.safetensors`` (``tensors`` in ``dtype``, d2t / t2d when Vd < V) and
-    ``config.json`` written to temporary names and renamed into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    ``config.json`` written to temporary names and renamed into ``out_dir``, once
+    ``claim_dir`` found it ours (or ``overwrite``) and marked it."""
+    out = claim_dir(out_dir, COMMAND, overwrite=overwrite)
     weights = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     if cfg.draft_vocab_size < cfg.vocab_size:
         weights["d2t"] = d2t.detach().to("cpu", torch.int64).contiguous()
         weights["t2d"] = t2d.detach().to("cpu", torch.bool).contiguous()
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(weights, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS)
-    tmp = out / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / CONFIG)
+    with atomic_write(out / WEIGHTS) as tmp:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
+    with atomic_write(out / CONFIG) as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -217,12 +224,13 @@ def export_speculators(
     target_config: dict | None = None,
     target_path: str,
     dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
 ) -> Path:
     """Write the draft in vllm-project speculators' EAGLE-3 layout (module docstring):
     a directory ``Eagle3DraftModel.from_pretrained`` loads, and vLLM serves as a
     speculators model (``vllm serve <out_dir>``).
 
-    Args are ``export_draft``'s, plus ``target_path``: the target's name or path,
+    Args are ``export_draft``'s (``overwrite`` too), plus ``target_path``: the target's name or path,
     stored as ``speculators_config.verifier.name_or_path`` (``from_pretrained`` reads
     the target's config and its embedding / head / final norm files from there, so it
     must be where the draft will be loaded). ``params`` must hold ``embed_tokens.weight`` (the target's
@@ -280,7 +288,7 @@ def export_speculators(
                          or ["LlamaForCausalLM"]},
         },
     }
-    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype)
+    return _write(out_dir, tensors, config, cfg, d2t, t2d, dtype, overwrite)
 
 
 def _check_servable_dtype(cfg: DraftConfig, dtype: torch.dtype) -> None:

@@ -41,15 +41,19 @@ def vocab_map_from_examples(
 
 
 def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Validate ``(d2t, t2d)`` and write them to ``path`` (safetensors; parents created)."""
+    """Validate ``(d2t, t2d)`` and write them to ``path`` (safetensors; parents created;
+    written to a temporary name and renamed into place)."""
+    from eagle3fn.io.paths import atomic_write
+
     validate_vocab_map(d2t, t2d)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {"d2t": d2t.detach().long().cpu().contiguous(), "t2d": t2d.detach().cpu().contiguous()},
-        str(path),
-        metadata={"vocab_size": str(t2d.shape[0]), "draft_vocab_size": str(d2t.shape[0])},
-    )
+    with atomic_write(path) as tmp:
+        save_file(
+            {"d2t": d2t.detach().long().cpu().contiguous(), "t2d": t2d.detach().cpu().contiguous()},
+            str(tmp),
+            metadata={"vocab_size": str(t2d.shape[0]), "draft_vocab_size": str(d2t.shape[0])},
+        )
 
 
 def load_vocab_map(
@@ -64,9 +68,14 @@ def load_vocab_map(
     checked when given. Raises FileNotFoundError for a missing file and ValueError
     naming the file for a malformed or mismatched map, each with the fix.
     """
+    from eagle3fn.io.paths import path_kind
+
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"vocab map {str(path)!r} not found; {_BUILD_HINT}")
+        kind = path_kind(path)
+        if kind == "nothing":
+            raise FileNotFoundError(f"vocab map {str(path)!r} not found; {_BUILD_HINT}")
+        raise ValueError(f"vocab map {str(path)!r} is {kind}, not a file; {_BUILD_HINT}")
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
