@@ -41,6 +41,11 @@ from eagle3fn.decoding.sampling import pick_tokens, request_uniforms
 from eagle3fn.decoding.static_cache import StaticKVCache
 
 
+COLUMN_ALIGN = 16
+"""Cache columns are rounded up to a multiple of this (aligned mask and key rows for the
+attention kernels), within ``max_len``."""
+
+
 @dataclass(kw_only=True)
 class GenerateConfig:
     """How ``generate`` decodes."""
@@ -179,7 +184,8 @@ class _Slots:
 
 
 def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateConfig, vocab: int) -> int:
-    """ValueError for bad requests before any work; returns M."""
+    """ValueError for bad requests before any work; returns M (longest prompt + largest
+    limit, rounded up to ``COLUMN_ALIGN`` within ``cfg.max_len``)."""
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every request needs at least one token")
@@ -193,7 +199,8 @@ def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateCon
     if cfg.max_len is not None and M > cfg.max_len:
         raise ValueError(f"the longest prompt plus max_new_tokens needs {M} cache columns but max_len={cfg.max_len}; "
                          "raise max_len or shorten the prompts")
-    return M
+    aligned = -(-M // COLUMN_ALIGN) * COLUMN_ALIGN
+    return aligned if cfg.max_len is None or aligned <= cfg.max_len else M
 
 
 @torch.no_grad()
