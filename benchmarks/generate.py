@@ -27,7 +27,8 @@ What one run does:
 Reported per row (JSON ``rows``): ``tokens`` (new tokens up to and including each
 answer's EOS: what a user keeps; ``model.generate``'s padding after an early EOS is not
 counted), ``seconds``, ``tokens_per_s``, ``x_hf`` (tokens/s over transformers' at
-``--hf-batch``), ``answers_eos`` (answers ended by EOS); ``same_as_hf``: prompts whose
+``--hf-batch``), ``answers_eos`` (answers ended by EOS), the engine's ``decode_steps`` and
+``prefill_tokens`` (padded; null for transformers); ``same_as_hf``: prompts whose
 engine answer at ``--hf-batch`` equals ``model.generate``'s (greedy in bf16 may differ at
 argmax near-ties: batch composition and padding change the kernels). The engine's time
 includes its prefills and its CUDA-graph recording (once per ``generate`` call).
@@ -67,6 +68,8 @@ class GenerateBenchArgs:
     """New tokens per answer at most."""
     check_every: int = 8
     """``GenerateConfig.check_every``."""
+    attention: str = "grouped"
+    """``GenerateConfig.attention``: grouped (kv heads not repeated) or model (the model's sdpa)."""
     dtype: str = "auto"
     """bfloat16, float32, float64, or auto (bf16 on CUDA, fp32 on the CPU)."""
     device: str = "cuda"
@@ -173,7 +176,8 @@ def engine(model, prompts: list[list[int]], batch: int, args: GenerateBenchArgs)
     from eagle3fn.decoding import Counters, GenerateConfig, generate
 
     counters = Counters()
-    cfg = GenerateConfig(batch_size=batch, max_new_tokens=args.max_new_tokens, check_every=args.check_every)
+    cfg = GenerateConfig(batch_size=batch, max_new_tokens=args.max_new_tokens, check_every=args.check_every,
+                         attention=args.attention)
     answers: list[list[int] | None] = [None] * len(prompts)
     for index, tokens, _ in generate(model, prompts, cfg, counters=counters):
         answers[index] = tokens
@@ -207,21 +211,23 @@ def main(args: GenerateBenchArgs) -> dict:
     def timed(name: str, batch: int, fn):
         _sync(device)
         t = time.perf_counter()
-        answers = fn()
+        answers, counters = fn()
         _sync(device)
         seconds = time.perf_counter() - t
         tokens = sum(len(a) for a in answers)
         rows.append(dict(name=name, batch=batch, prompts=len(answers), tokens=tokens, seconds=seconds,
-                         tokens_per_s=tokens / seconds, answers_eos=sum(bool(a) and a[-1] in eos for a in answers)))
+                         tokens_per_s=tokens / seconds, answers_eos=sum(bool(a) and a[-1] in eos for a in answers),
+                         decode_steps=counters.decode_steps if counters else None,
+                         prefill_tokens=counters.prefill_tokens if counters else None))
         print(f"{name} batch {batch}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
         return answers
 
     with torch.no_grad():
         reference = timed("transformers generate", args.hf_batch,
-                          lambda: hf_generate(model, hf_prompts, args.hf_batch, args.max_new_tokens, eos))
-        same = timed("engine, same prompts", args.hf_batch, lambda: engine(model, hf_prompts, args.hf_batch, args)[0])
+                          lambda: (hf_generate(model, hf_prompts, args.hf_batch, args.max_new_tokens, eos), None))
+        same = timed("engine, same prompts", args.hf_batch, lambda: engine(model, hf_prompts, args.hf_batch, args))
         for batch in args.batches:
-            timed("engine", batch, lambda: engine(model, prompts[:args.prompts_per_slot * batch], batch, args)[0])
+            timed("engine", batch, lambda: engine(model, prompts[:args.prompts_per_slot * batch], batch, args))
     hf_rate = rows[0]["tokens_per_s"]
     for row in rows:
         row["x_hf"] = row["tokens_per_s"] / hf_rate

@@ -64,29 +64,40 @@ def decode_all(model, prompts, cfg, limits=LIMITS, **kw) -> dict[int, tuple[list
     return out
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
-                                         ("qwen3", "eager")])
-def test_greedy_equals_model_generate(family, attn):
+@pytest.mark.parametrize("family,attn,engine_attn", [
+    ("llama", "sdpa", "grouped"), ("llama", "sdpa", "model"), ("llama", "eager", "model"),
+    ("qwen3", "eager", "grouped"), ("qwen3", "sdpa", "model"), ("qwen3", "eager", "model")])
+def test_greedy_equals_model_generate(family, attn, engine_attn):
+    """``engine_attn="model"``: the engine runs the model's own sdpa / eager attention on
+    the 4-D mask; ``"grouped"``: its own kv-head-grouped attention."""
     model, prompts, refs = greedy_case(family, attn)
     eos = model.generation_config.eos_token_id
     assert any(len(r) < n and r[-1] == eos for r, n in zip(refs, LIMITS)), "no answer ends on EOS mid-way"
     counters = Counters()
     # 3 slots for 7 prompts: slots are refilled; check_every=2 and prefills of <= 24 tokens
-    out = decode_all(model, prompts, GenerateConfig(batch_size=3, check_every=2, prefill_tokens=24),
-                     counters=counters)
+    out = decode_all(model, prompts, GenerateConfig(batch_size=3, check_every=2, prefill_tokens=24,
+                                                    attention=engine_attn), counters=counters)
     for i, ref in enumerate(refs):
         assert out[i] == (ref, ref[-1] == eos), i
     assert counters.generated_tokens == sum(len(r) for r in refs) and counters.prefills > 3
 
 
-@pytest.mark.parametrize("bug", ["position", "mask"])
+@pytest.mark.parametrize("bug", ["position", "mask", "kv head"])
 def test_greedy_identity_catches_wrong_positions_and_masks(bug, monkeypatch):
-    """Control: the same comparison fails with positions off by one or a mask that
-    hides each query's own column."""
+    """Control: the same comparison fails with positions off by one, a mask that hides
+    each query's own column, or grouped attention reading the wrong kv head."""
     model, prompts, refs = greedy_case("llama", "sdpa")
     if bug == "position":
         real = StaticKVCache.position_ids
         monkeypatch.setattr(StaticKVCache, "position_ids", lambda self, q: real(self, q) + 1)
+    elif bug == "kv head":  # every query head reads kv head 0
+        import eagle3fn.decoding.attention as attention
+        real_attention = attention.grouped_attention
+
+        def first_head(module, query, key, value, *args, **kwargs):
+            return real_attention(module, query, key[:, :1].expand_as(key), value[:, :1].expand_as(value),
+                                  *args, **kwargs)
+        monkeypatch.setattr(attention, "grouped_attention", first_head)
     else:
         real = StaticKVCache.attention_mask
 
@@ -98,14 +109,15 @@ def test_greedy_identity_catches_wrong_positions_and_masks(bug, monkeypatch):
     assert sum(out[i][0] != ref for i, ref in enumerate(refs)) >= 3
 
 
-def test_verify_forward_equals_full_forward_and_rolls_back():
+@pytest.mark.parametrize("attn", ["grouped", "model"])
+def test_verify_forward_equals_full_forward_and_rolls_back(attn):
     """Prefill 3 prompts into a 5-row cache, feed q = 4 tokens per row with the aux
     features of layers (0, 1): logits and aux equal a plain forward of the whole
     sequence; then accept 1 of 3 proposals (n += 2) and feed 2 more tokens: the logits
     equal a plain forward of the accepted sequence. Control: no rollback (n += 4)."""
     model = tiny("qwen3")
     prompts = prompts_of([6, 2, 9])
-    tmp, last, _, start, lengths = prefill(model, prompts, dtype=torch.float64, device="cpu")
+    tmp, last, _, start, lengths = prefill(model, prompts, dtype=torch.float64, device="cpu", attn=attn)
     rows = torch.tensor([3, 0, 2])
     with torch.no_grad():
         for r, p in enumerate(prompts):
@@ -113,7 +125,7 @@ def test_verify_forward_equals_full_forward_and_rolls_back():
         cache = StaticKVCache(model.config, 5, 24, dtype=torch.float64, device="cpu")
         cache.load_rows(rows, tmp, start, lengths)
         feed = torch.randint(0, 96, (5, 4), generator=torch.Generator().manual_seed(3))
-        logits, aux = cached_forward(model, cache, feed, aux_layers=(0, 1))
+        logits, aux = cached_forward(model, cache, feed, aux_layers=(0, 1), attn=attn)
         assert logits.shape == (5, 4, 96) and aux.shape == (5, 4, 64)
         for r, b in enumerate(rows.tolist()):
             full = model(torch.tensor([prompts[r] + feed[b].tolist()]), output_hidden_states=True)
@@ -123,7 +135,7 @@ def test_verify_forward_equals_full_forward_and_rolls_back():
         for advance, equal in ((2, True), (4, False)):
             cache.lengths.copy_(before + advance)
             more = torch.randint(0, 96, (5, 2), generator=torch.Generator().manual_seed(4))
-            logits, _ = cached_forward(model, cache, more)
+            logits, _ = cached_forward(model, cache, more, attn=attn)
             for r, b in enumerate(rows.tolist()):
                 accepted = prompts[r] + feed[b, :2].tolist() + more[b].tolist()
                 full = model(torch.tensor([accepted])).logits[0, -2:]
@@ -235,20 +247,22 @@ def _sliding_config():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_gpu_graph_replay_equals_eager_and_model_generate(family):
+@pytest.mark.parametrize("family,engine_attn", [("llama", "grouped"), ("llama", "model"), ("qwen3", "grouped")])
+def test_gpu_graph_replay_equals_eager_and_model_generate(family, engine_attn):
     """fp32 on the GPU (TF32 off): the CUDA-graph decode equals the eager decode and
-    ``model.generate`` token for token; bf16 graph equals bf16 eager."""
+    ``model.generate`` token for token; bf16 graph equals bf16 eager, greedy and sampled."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny(family, dtype=torch.float32).cuda()
     prompts = prompts_of(LENGTHS)
     refs = [hf_generate(model, p, n) for p, n in zip(prompts, LIMITS)]
-    cfg = GenerateConfig(batch_size=3, check_every=2)
+    cfg = GenerateConfig(batch_size=3, check_every=2, attention=engine_attn)
     graphed = decode_all(model, prompts, dataclasses.replace(cfg, graph=True))
     eager = decode_all(model, prompts, dataclasses.replace(cfg, graph=False))
     assert graphed == eager
     assert all(graphed[i][0] == ref for i, ref in enumerate(refs))
     model = model.to(torch.bfloat16)
+    assert decode_all(model, prompts, dataclasses.replace(cfg, graph=True)) == \
+        decode_all(model, prompts, dataclasses.replace(cfg, graph=False))
     sampled = dataclasses.replace(cfg, temperature=1.0, top_p=0.9)
     assert decode_all(model, prompts, dataclasses.replace(sampled, graph=True)) == \
         decode_all(model, prompts, dataclasses.replace(sampled, graph=False))

@@ -24,6 +24,7 @@ bytes, ``M = longest prompt + max_new_tokens`` (``static_cache.cache_bytes``).
 
 Modules, in the order data flows:
     static_cache  ``StaticKVCache``: ``[B, g, M, d]`` per layer, per-row lengths, 4-D masks
+    attention     ``grouped_attention``: kv heads not repeated (registered in transformers)
     forward       ``cached_forward`` (decode step, prefill, verification with aux features)
     sampling      ``pick_tokens`` (greedy / temperature / top-p from one uniform per row)
     graphs        ``Graphed``: a step recorded once as a CUDA graph, replayed

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from eagle3fn.decoding.attention import attention
 from eagle3fn.decoding.static_cache import StaticKVCache
 
 
@@ -71,7 +72,7 @@ class _AuxCapture:
 def cached_forward(model: nn.Module, cache: StaticKVCache, ids_BQ: torch.Tensor, *, keep: int | None = None,
                    position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                    aux_layers: Sequence[int] = (), layers: nn.ModuleList | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   attn: str = "grouped") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model`` on ``ids [B, q]`` over ``cache`` (module docstring).
 
     Args:
@@ -84,6 +85,8 @@ def cached_forward(model: nn.Module, cache: StaticKVCache, ids_BQ: torch.Tensor,
         aux_layers: decoder layer ids whose output (the residual stream, before any
             norm) is returned, concatenated in this order.
         layers: the decoder layers the ids index (None: ``decoder_layers(model)``).
+        attn: ``"grouped"`` (``attention.grouped_attention``: the cache read once per
+            layer) or ``"model"`` (the model's own attention implementation).
 
     Returns:
         logits ``[B, keep, V]`` and aux ``[B, q, A*H]`` (None without ``aux_layers``).
@@ -100,7 +103,7 @@ def cached_forward(model: nn.Module, cache: StaticKVCache, ids_BQ: torch.Tensor,
     if "logits_to_keep" in _forward_params(type(model)):
         kwargs["logits_to_keep"] = keep
     capture = _AuxCapture(decoder_layers(model) if layers is None else layers, aux_layers)
-    with capture:
+    with capture, attention(model, attn):
         out = model(input_ids=ids_BQ, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     return out.logits[:, -keep:], capture.aux if aux_layers else None
 
@@ -131,7 +134,7 @@ def prefill_mask(start_R: torch.Tensor, W: int, dtype: torch.dtype) -> torch.Ten
 
 
 def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], *, dtype: torch.dtype, device,
-            aux_layers: Sequence[int] = (), layers: nn.ModuleList | None = None):
+            aux_layers: Sequence[int] = (), layers: nn.ModuleList | None = None, attn: str = "grouped"):
     """One left-padded forward of R prompts into a fresh ``StaticKVCache`` of R rows and W
     columns: ``(cache, logits [R, V] at each prompt's last token, aux [R, W, A*H] or None,
     start [R], lengths [R])``. Row r holds its prompt in columns ``start_r .. W - 1``
@@ -140,5 +143,6 @@ def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], *, dtype: torch.
     R, W = ids.shape
     cache = StaticKVCache(model.config, R, W, dtype=dtype, device=device)
     logits, aux = cached_forward(model, cache, ids, keep=1, position_ids=pos,
-                                 attention_mask=prefill_mask(start, W, dtype), aux_layers=aux_layers, layers=layers)
+                                 attention_mask=prefill_mask(start, W, dtype), aux_layers=aux_layers, layers=layers,
+                                 attn=attn)
     return cache, logits[:, -1], aux, start, lengths

@@ -68,13 +68,16 @@ class GenerateConfig:
     """Padded prompt tokens per prefill forward at most (bounds the prefill's activations)."""
     graph: bool | None = None
     """Record the decode step as a CUDA graph (None: on CUDA)."""
+    attention: str = "grouped"
+    """grouped: attention.grouped_attention (the cache read once per layer); model: the model's own."""
     eos_token_ids: tuple[int, ...] | None = None
     """Ids that end an answer (None: eos_token_ids(model, tokenizer))."""
 
     def __post_init__(self) -> None:
         checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
                   ("temperature", self.temperature >= 0, ">= 0"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                  ("check_every", self.check_every >= 1, ">= 1"), ("prefill_tokens", self.prefill_tokens >= 1, ">= 1")]
+                  ("check_every", self.check_every >= 1, ">= 1"), ("prefill_tokens", self.prefill_tokens >= 1, ">= 1"),
+                  ("attention", self.attention in ("grouped", "model"), "'grouped' or 'model'")]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} must be {want}")
@@ -142,7 +145,7 @@ class _Slots:
         return torch.isin(token_B, self.eos) | (self.count >= self.limit)
 
     def _step(self) -> None:
-        logits, _ = cached_forward(self.model, self.cache, self.token[:, None], keep=1)
+        logits, _ = cached_forward(self.model, self.cache, self.token[:, None], keep=1, attn=self.cfg.attention)
         at = self.count.clamp_max(self.T - 1)[:, None]
         token = self._pick(logits[:, -1], self.u.gather(1, at)[:, 0])
         live = ~self.done
@@ -166,7 +169,8 @@ class _Slots:
               uniforms: list[torch.Tensor]) -> None:
         """Prefill ``prompts`` into ``slots`` and pick their first tokens."""
         device = self.token.device
-        tmp, logits, _, start, lengths = prefill(self.model, prompts, dtype=self.cache.dtype, device=device)
+        tmp, logits, _, start, lengths = prefill(self.model, prompts, dtype=self.cache.dtype, device=device,
+                                                 attn=self.cfg.attention)
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         self.cache.load_rows(rows, tmp, start, lengths)
         u = torch.zeros(len(slots), self.T, dtype=torch.float64)
