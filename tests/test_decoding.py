@@ -224,6 +224,7 @@ def test_sampling_depends_on_the_seed_alone():
     ([[1, 2], [3, 500]], None, GenerateConfig(), "token id 500"),
     ([[1, 2, 3]], None, GenerateConfig(max_new_tokens=10, max_len=12), "needs 13 cache columns"),
     ([[1, 2, 3]], [0], GenerateConfig(), "max_new_tokens of request 0 is 0"),
+    ([[1, 2, 3]], None, GenerateConfig(graph=True), "graph=True needs a CUDA model"),
 ])
 def test_bad_requests_are_refused_before_work(prompts, limits, cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -103,7 +103,6 @@ class Counters:
     prefills: int = 0
     prefill_tokens: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +125,9 @@ class _Slots:
 
     def __init__(self, model: nn.Module, B: int, M: int, T: int, cfg: GenerateConfig, eos: Sequence[int],
                  dtype: torch.dtype, device: torch.device) -> None:
+        graph = device.type == "cuda" if cfg.graph is None else cfg.graph
+        if graph and device.type != "cuda":
+            raise ValueError(f"graph=True needs a CUDA model, this one is on {device}; leave graph=None")
         self.model, self.cfg, self.T = model, cfg, T
         self.cache = StaticKVCache(model.config, B, M, dtype=dtype, device=device)
         self.token = torch.zeros(B, dtype=torch.long, device=device)
@@ -135,7 +137,6 @@ class _Slots:
         self.out = torch.zeros(B, T, dtype=torch.long, device=device)
         self.u = torch.zeros(B, T, dtype=torch.float64, device=device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
-        graph = device.type == "cuda" if cfg.graph is None else cfg.graph
         self.step = Graphed(self._step, graph, device)
 
     def _pick(self, logits_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
