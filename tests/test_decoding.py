@@ -267,3 +267,33 @@ def test_gpu_graph_replay_equals_eager_and_model_generate(family, engine_attn):
     sampled = dataclasses.replace(cfg, temperature=1.0, top_p=0.9)
     assert decode_all(model, prompts, dataclasses.replace(sampled, graph=True)) == \
         decode_all(model, prompts, dataclasses.replace(sampled, graph=False))
+
+
+def test_eager_windows_are_tight_and_exact(monkeypatch):
+    """Eager decoding attends only the columns some slot can hold (``set_window``): with
+    windows rounded to 1 column they are as tight as they get and the answers still
+    equal ``model.generate``'s; control: windows one column short change an answer (only
+    the slot holding the most columns reaches a window's last one)."""
+    import eagle3fn.decoding.generator as generator
+
+    model, prompts, refs = greedy_case("llama", "sdpa")
+    monkeypatch.setattr(generator, "WINDOW_STEP", 1)
+    windows = []
+    real = generator.StaticKVCache.attention_mask
+
+    def spy(self, q, dtype):
+        windows.append(self.window)
+        return real(self, q, dtype)
+    monkeypatch.setattr(generator.StaticKVCache, "attention_mask", spy)
+    cfg = GenerateConfig(batch_size=3, check_every=2)
+    out = decode_all(model, prompts, cfg)
+    assert all(out[i][0] == ref for i, ref in enumerate(refs))
+    assert min(windows) < max(windows) < max(LENGTHS) + max(LIMITS)
+    real_set = generator._Slots.set_window
+
+    def short(self, steps):
+        real_set(self, steps)
+        self.cache.window -= 1
+    monkeypatch.setattr(generator._Slots, "set_window", short)
+    out = decode_all(model, prompts, cfg)
+    assert sum(out[i][0] != ref for i, ref in enumerate(refs)) >= 1

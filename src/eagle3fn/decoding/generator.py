@@ -41,6 +41,9 @@ from eagle3fn.decoding.sampling import pick_tokens, request_uniforms
 from eagle3fn.decoding.static_cache import StaticKVCache
 
 
+WINDOW_STEP = 64
+"""Eager decoding attends the first multiple of this many columns that covers every slot."""
+
 COLUMN_ALIGN = 16
 """Cache columns are rounded up to a multiple of this (aligned mask and key rows for the
 attention kernels), within ``max_len``."""
@@ -138,6 +141,7 @@ class _Slots:
         self.u = torch.zeros(B, T, dtype=torch.float64, device=device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
         self.step = Graphed(self._step, graph, device)
+        self.bound = [0] * B  # host upper bound of each slot's n_b (eager windows)
 
     def _pick(self, logits_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
         return pick_tokens(logits_BV, u_B, self.cfg.temperature, self.cfg.top_p)
@@ -155,6 +159,15 @@ class _Slots:
         self.count.add_(live.long())
         self.token.copy_(torch.where(live, token, self.token))
         self.done.logical_or_(live & self._ends(token))
+
+    def set_window(self, steps: int) -> None:
+        """Eager mode: attend only the columns any slot can hold in the next ``steps``
+        steps (rounded up to ``WINDOW_STEP``); graph mode keeps all M."""
+        if self.step.graph:
+            return
+        need = max(self.bound) + steps
+        self.cache.window = min(self.cache.max_len, -(-need // WINDOW_STEP) * WINDOW_STEP)
+        self.bound = [n + steps for n in self.bound]
 
     def record(self) -> None:
         """Record the step's CUDA graph if due; the warm-up run's effects on the slot
@@ -186,6 +199,8 @@ class _Slots:
                           (self.out, out), (self.u, u)):
             buffer.index_copy_(0, rows, x)
         self.done.index_copy_(0, rows, torch.isin(token, self.eos) | (limit <= 1))
+        for b, p in zip(slots, prompts):
+            self.bound[b] = len(p)
 
 
 def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateConfig, vocab: int) -> int:
@@ -250,6 +265,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
         if all(r is None for r in owner):
             break
         slots.record()
+        slots.set_window(cfg.check_every)
         for _ in range(cfg.check_every):
             slots.step()
         counters.decode_steps += cfg.check_every
@@ -264,6 +280,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
             tokens = tokens[:count]
             result = Finished(owner[b], tokens, tokens[-1] in eos_set)
             owner[b] = None
+            slots.bound[b] = 0  # a free slot's column n_b may fall outside the window: never read
             counters.answers += 1
             counters.generated_tokens += count
             counters.seconds = time.perf_counter() - t0

@@ -94,6 +94,10 @@ class StaticKVCache(Cache):
         lengths: int64 ``[B]`` on ``device``, n_b = positions held by row b (starts at 0).
         layers: L ``RowLayer`` with ``keys``, ``values [B, g, M, d]`` in ``dtype``.
         max_len: M.
+        window: W <= M, the columns forwards attend (``attention_mask`` and ``update``
+            return the first W): M by default; an eager caller that knows every row's
+            ``n_b + q <= W`` may lower it to skip the columns no row holds yet (a CUDA
+            graph keeps M: its shapes are fixed).
     """
 
     def __init__(self, config, batch_size: int, max_len: int, *, dtype: torch.dtype,
@@ -108,6 +112,7 @@ class StaticKVCache(Cache):
         self.max_len, self.batch_size_, self.dtype = max_len, batch_size, dtype
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._columns_M = torch.arange(max_len, device=device)
+        self.window = max_len
         self._steps = torch.arange(max_len, device=device)
 
     @property
@@ -121,9 +126,9 @@ class StaticKVCache(Cache):
         return self.lengths[:, None] + self._steps[:q]
 
     def attention_mask(self, q: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive ``[B, 1, q, M]`` in ``dtype``: 0 where query i of row b may read column
+        """Additive ``[B, 1, q, W]`` in ``dtype``: 0 where query i of row b may read column
         c (``c <= n_b + i``), the dtype's lowest finite value elsewhere."""
-        visible = self._columns_M <= self.position_ids(q)[:, :, None]  # [B, q, M]
+        visible = self._columns_M[:self.window] <= self.position_ids(q)[:, :, None]  # [B, q, W]
         hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device)
         return torch.where(visible, torch.zeros((), dtype=dtype, device=self.device), hidden)[:, None]
 
@@ -132,15 +137,15 @@ class StaticKVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states``, ``value_states [B, g, q, d]`` at columns ``n_b + i`` of
-        layer ``layer_idx``; return its whole buffers ``[B, g, M, d]`` (the mask hides the
-        columns a query may not read)."""
+        layer ``layer_idx``; return its buffers' first W columns ``[B, g, W, d]`` (the mask
+        hides the columns a query may not read)."""
         layer = self.layers[layer_idx]
         B, g, q, d = key_states.shape
         columns_Bq = self.lengths[:, None] + self._steps[:q]
         index = columns_Bq[:, None, :, None].expand(B, g, q, d)
         layer.keys.scatter_(2, index, key_states.to(layer.keys.dtype))
         layer.values.scatter_(2, index, value_states.to(layer.values.dtype))
-        return layer.keys, layer.values
+        return layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: rows have lengths of their own (``lengths``); callers pass ``position_ids``
