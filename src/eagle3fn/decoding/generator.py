@@ -18,7 +18,10 @@ Slot state (device): ``token [B]`` (picked, not yet in the cache), ``count [B]``
 picked), ``limit [B]``, ``done [B]`` (also True for an empty slot), ``out [B, T]``,
 ``u [B, T]`` (the request's uniforms), and the cache's ``n [B]`` = prompt length +
 count - 1. A done slot keeps stepping on its own last token without moving (its column
-n_b < M is rewritten with the same values), so every step has the same shapes.
+n_b < M is rewritten with the same values), so every step has the same shapes. Without
+a graph, each block of ``check_every`` steps attends only the first columns any slot can
+reach in it (``set_window``, from a host-side upper bound per slot): the CPU's steps then
+cost what a growing cache's would.
 
 Memory: the cache (``static_cache.cache_bytes``: ``2 * L * B * g * M * d * itemsize``
 with ``M = max prompt length + T``), plus one step's activations and the ``[B, V]``
