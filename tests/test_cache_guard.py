@@ -13,6 +13,7 @@ from eagle3fn.cli.main import main
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.cache import (MANIFEST, FeatureCache, cache_fingerprint, check_cache_for_training,
                                verify_cache)
+from eagle3fn.io.cache.store import sample_digest
 from eagle3fn.io.fingerprint import diff, file_fingerprint, short, target_fingerprint
 
 pytestmark = pytest.mark.usefixtures("no_gpu", "one_thread")  # one thread: tiny runs crawl with 2 on a busy CPU
@@ -150,6 +151,14 @@ def manifest(path):
     return json.loads((path / MANIFEST).read_text())
 
 
+def reseal(path, m):
+    """Write manifest ``m`` into ``path`` with a matching digest (as if prepare wrote it):
+    the tests that break a shard behind a valid manifest."""
+    from eagle3fn.io.cache.store import manifest_digest
+
+    (path / MANIFEST).write_text(json.dumps({**m, "digest": manifest_digest(m)}))
+
+
 def cli_error(capsys, argv, code):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -272,7 +281,7 @@ def test_bad_manifest_is_named_and_a_rerun_rewrites_the_cache(workdir, cache, ca
     assert f"{cache / MANIFEST} is unreadable" in err
     prepare(cache, workdir=workdir)
     out = capsys.readouterr().out
-    assert "is unreadable; rewriting every shard" in out and out.count("wrote shard") == 3
+    assert "is unreadable or was edited; rewriting every shard" in out and out.count("wrote shard") == 3
     assert manifest(cache) == manifest(workdir / "built")
 
 
@@ -330,8 +339,8 @@ def test_non_finite_features_are_refused_when_written_and_when_read(workdir, cac
     t["aux"][int(t["offsets"][1]) + 3, 5] = float("inf")  # conversation 1, position 3
     save_file(t, str(cache / SHARD1))
     m = manifest(cache)
-    m["shards"][1].update(file_fingerprint(cache / SHARD1))
-    (cache / MANIFEST).write_text(json.dumps(m))
+    m["shards"][1].update(file_fingerprint(cache / SHARD1), sample=sample_digest(cache / SHARD1))
+    reseal(cache, m)
     reader = FeatureCache(cache)
     with pytest.raises(RunError, match=f"feature cache {cache}: {SHARD1} holds non-finite aux at row 1; "
                        f"run eagle3fn cache verify {cache}"):
@@ -396,8 +405,8 @@ def test_verify_names_a_shard_whose_index_disagrees_with_its_tensors(workdir, ca
     t["offsets"][-1] -= 1
     save_file(t, str(cache / SHARD1))
     m = manifest(cache)
-    m["shards"][1].update(file_fingerprint(cache / SHARD1))
-    (cache / MANIFEST).write_text(json.dumps(m))
+    m["shards"][1].update(file_fingerprint(cache / SHARD1), sample=sample_digest(cache / SHARD1))
+    reseal(cache, m)
     assert [(f.name, f.problem) for f in verify_cache(cache).broken] == [
         (SHARD1, "index does not match its tensors (offsets, ids, aux, teacher rows)")]
 

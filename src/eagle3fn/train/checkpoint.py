@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -27,6 +29,9 @@ from eagle3fn.draft import DraftConfig, RopeConfig, init_params
 from eagle3fn.errors import RunError
 
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_FORMAT = 1
+"""Written into every checkpoint (``format``); a checkpoint without one predates it and
+is read the same. A higher number was written by a newer eagle3fn and is refused."""
 BEST = "checkpoint-best.pt"
 """The checkpoint of the evaluation with the highest acceptance length so far (a whole
 checkpoint, with ``best = {"step", "acceptance_length"}``)."""
@@ -99,7 +104,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
                        f"{_previous(path)}")
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(state, tmp)
+        torch.save({**state, "format": CHECKPOINT_FORMAT}, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         tmp.unlink(missing_ok=True)
@@ -118,23 +123,51 @@ def _previous(path: Path) -> str:
     return f"the earlier {path} (step {step}) is intact"
 
 
+def _unreadable(path: Path, error: Exception) -> str:
+    """Why ``torch.load`` could not read ``path``, in words: truncated, not a torch file,
+    or holding objects other than tensors and plain data."""
+    if path.is_dir():
+        return "it is a directory"
+    size = path.stat().st_size
+    if size == 0:
+        return "it is empty (0 bytes: truncated)"
+    with open(path, "rb") as f:
+        start = f.read(4)
+    if start == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        return f"it is truncated ({size} bytes: the end of its zip archive is missing)"
+    if not start.startswith(b"\x80") and not zipfile.is_zipfile(path):  # neither zip nor pickle
+        return f"torch.save writes a zip archive, this file starts with {start!r}"
+    if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+        return "it holds objects other than tensors and plain data (pickled code is never run)"
+    return " ".join(str(error).split())[:200]
+
+
 def read_checkpoint(path: Path) -> dict:
-    """A checkpoint's state, loaded without running code; RunError (naming the file and the
-    fix) for an unreadable, truncated or foreign file, a missing field, or non-finite
-    weights."""
+    """A checkpoint's state, loaded without running code; RunError (naming the file, what
+    is wrong and the fix) for a truncated, foreign or code-carrying file, one written by
+    a newer eagle3fn (``format`` above ``CHECKPOINT_FORMAT``), a missing field, or
+    non-finite weights."""
+    fix = "delete it and rerun train to start over, or use another --out-dir"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated, foreign or code-carrying file
-        raise RunError(f"{path} is not a readable eagle3fn checkpoint ({' '.join(str(e).split())[:300]}); "
-                       "it may be truncated or come from elsewhere (pickled code is never run): "
-                       "delete it and rerun train to start over") from e
+        raise RunError(f"checkpoint {path} is not a readable eagle3fn checkpoint ({_unreadable(path, e)}); "
+                       f"{fix}") from e
     if not isinstance(state, dict):
-        raise RunError(f"{path} is not an eagle3fn checkpoint (a {type(state).__name__}); delete it to "
-                       "start over")
+        raise RunError(f"checkpoint {path} is not an eagle3fn checkpoint (it holds a {type(state).__name__}, "
+                       f"not a dict); {fix}")
+    version = state.get("format", CHECKPOINT_FORMAT)
+    if not isinstance(version, int) or version > CHECKPOINT_FORMAT:
+        raise RunError(f"checkpoint {path} has format {version!r}, written by a newer eagle3fn (this one "
+                       f"reads format {CHECKPOINT_FORMAT} and older); upgrade eagle3fn to read it, or {fix}")
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
-        raise RunError(f"{path} lacks {missing} (written by an older eagle3fn or another tool); "
-                       "delete it and rerun train to start over, or use another --out-dir")
+        raise RunError(f"checkpoint {path} lacks {missing} (written by an older eagle3fn or another tool); "
+                       f"{fix}")
+    if not isinstance(state["params"], dict) or not all(isinstance(p, torch.Tensor)
+                                                        for p in state["params"].values()):
+        raise RunError(f"checkpoint {path}: its params are not a dict of tensors (written by another tool); "
+                       f"{fix}")
     bad = [n for n, p in state["params"].items() if not bool(torch.isfinite(p).all())]
     if bad:
         raise RunError(f"{path} (step {state['step']}) has non-finite weights in {bad[:3]}; it cannot be "

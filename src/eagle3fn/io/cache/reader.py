@@ -18,9 +18,36 @@ from safetensors.torch import load_file
 
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.cache import layout
-from eagle3fn.io.cache.store import HEAD, SHARD_KEYS, _file_problem, _nonfinite_row, _repair, read_manifest
+from eagle3fn.io.cache.store import (DTYPES, EDITED, HEAD, MANIFEST, SHARD_KEYS, _file_problem, _load_manifest,
+                                     _nonfinite_row, _repair, read_manifest, rebuild_command, seal_fix,
+                                     unlisted_shards)
 from eagle3fn.shapes import Features
 
+_ST_DTYPES = {name: layout._SAFETENSORS_DTYPES[dtype] for name, dtype in DTYPES.items()}
+
+
+def _layout_problem(f, manifest: dict, name: str) -> str | None:
+    """What in an open shard's header (``safe_open`` handle ``f``) disagrees with the
+    manifest: a tensor missing, aux or final hidden of another dtype or width than the
+    manifest's dtypes and ``hidden_size`` give (3 aux layers of ``Ht`` each)."""
+    keys = set(f.keys())
+    if SHARD_KEYS - keys:
+        return f"lacks {sorted(SHARD_KEYS - keys)}"
+    Ht = manifest.get("hidden_size")
+    fp8 = manifest["aux_dtype"] == "float8_e4m3"
+    want = {"aux": ("F8_E4M3" if fp8 else _ST_DTYPES[manifest["dtype"]], layout.AUX_LAYERS * Ht if Ht else None),
+            "final_hidden": (_ST_DTYPES[manifest["dtype"]], Ht)}
+    if fp8:
+        want["aux_scale"] = ("F32", layout.AUX_LAYERS)
+    for key, (dtype, width) in want.items():
+        if key not in keys:
+            return f"lacks {key!r} (its manifest's aux_dtype is {manifest['aux_dtype']})"
+        part = f.get_slice(key)
+        shape = part.get_shape()
+        if part.get_dtype() != dtype or len(shape) != 2 or (width is not None and shape[1] != width):
+            return (f"holds {key} {part.get_dtype()} {list(shape)}, the manifest says {dtype} [N, {width}] "
+                    f"({layout.AUX_LAYERS} aux layers of hidden size {Ht})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,11 @@ class FeatureCache:
         if not self.manifest["complete"]:
             raise UsageError(f"{self.path} is an unfinished cache ({len(self.manifest['shards'])} "
                              "shards); rerun eagle3fn prepare with the same settings to finish it")
+        extra = unlisted_shards(self.path, self.manifest)
+        if extra:
+            raise RunError(f"feature cache {self.path} holds shard files its manifest does not list "
+                           f"({', '.join(extra[:3])}); move them out, or rewrite the cache with "
+                           f"{rebuild_command(self.path, self.manifest['fingerprint'])}")
         self._entries = {s["name"]: s for s in self.manifest["shards"]}
         names = [s["name"] for s in self.manifest["shards"]]
         self.names = names if shards is None else [names[i] for i in shards]
@@ -66,6 +98,7 @@ class FeatureCache:
         self.dtype = dtype
         self._head = None
         self._checked: set = set()
+        self._laid_out: set = set()
 
     def __len__(self) -> int:
         return len(self.names)
@@ -93,16 +126,27 @@ class FeatureCache:
         if size != entry["bytes"]:
             raise self._broken(name, f"has {size} bytes, the manifest says {entry['bytes']}")
         try:
-            return safe_open(str(path), framework="pt")
+            f = safe_open(str(path), framework="pt")
         except (OSError, SafetensorError) as e:
             raise self._broken(name, f"is unreadable ({e})") from e
+        if name != HEAD and name not in self._laid_out:
+            problem = _layout_problem(f, self.manifest, name)
+            if problem:
+                raise self._broken(name, problem)
+            self._laid_out.add(name)
+        return f
 
     def _load_head(self) -> torch.Tensor:
         try:
             with self._open(HEAD, self.manifest["head"]) as f:
-                return f.get_tensor("target_head")
+                head = f.get_tensor("target_head") if "target_head" in f.keys() else None
         except SafetensorError as e:
             raise self._broken(HEAD, f"is unreadable ({e})") from e
+        want = (self.manifest["vocab_size"], self.manifest["hidden_size"])
+        if head is None or tuple(head.shape) != want:
+            got = "no target_head" if head is None else f"target_head {list(head.shape)}"
+            raise self._broken(HEAD, f"holds {got}, the manifest says [{want[0]}, {want[1]}]")
+        return head
 
     def _load(self, name: str, entry: dict, window, conversations=None) -> dict[str, torch.Tensor]:
         """One shard's CPU tensors: the small ones whole, ``aux`` / ``final_hidden``
@@ -160,8 +204,12 @@ class FeatureCache:
         if "aux_scale" in t:
             t["aux"] = layout.dequantize_fp8(t["aux"], t["aux_scale"])
         spans = t.pop("_spans", None)
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        longest = max(lengths, default=0)
+        if len(lengths) != entry["batch"] or longest != entry["seq_len"]:
+            raise self._broken(name, f"holds {len(lengths)} conversations of up to {longest} tokens, the "
+                                     f"manifest says batch {entry['batch']}, seq_len {entry['seq_len']}")
         self._check_finite(name, t, spans, (window, None if conversations is None else tuple(keep)))
-        assert batch["input_ids"].shape[1] == S, (name, S)
         B = len(keep)
         if spans is None:
             spans = {"aux": [(int(offsets[b]), int(offsets[b + 1])) for b in range(B)],
@@ -240,30 +288,53 @@ def _shard_problem(t: dict[str, torch.Tensor], entry: dict) -> str | None:
 
 
 def verify_cache(cache_dir: str | os.PathLike) -> CacheReport:
-    """Check every file of a cache: it exists, has the manifest's size and sha256, loads,
-    holds the expected tensors with a consistent index and only finite features. Reads
+    """Check every file of a cache: the manifest proves itself (its digest), every shard
+    it lists exists, has the manifest's size and sha256, loads, holds the expected
+    tensors (dtypes and widths as the manifest says) with a consistent index and only
+    finite features; shard files on disk that it does not list are reported too. Reads
     the whole cache.
 
-    Raises: as ``read_manifest`` (a broken file is reported, not raised).
+    Raises: as ``read_manifest`` for a manifest that cannot be read at all (an edited or
+    digest-less one is reported as a broken ``manifest.json`` row, not raised).
     """
     path = Path(cache_dir)
-    manifest = read_manifest(path)
+    if not (path / MANIFEST).is_file():
+        read_manifest(path)  # FileNotFoundError: not a feature cache
+    manifest, seal = _load_manifest(path)
     files = []
+    if seal is not None:
+        fix = (f"restore it, or rewrite the cache with {rebuild_command(path, manifest['fingerprint'])}"
+               if seal == EDITED else seal_fix(path, manifest["fingerprint"]))
+        files.append(FileStatus(MANIFEST, 0, 0, (path / MANIFEST).stat().st_size, f"{seal}; {fix}"))
     for s in manifest["shards"]:
         problem = _file_problem(path / s["name"], s)
         if problem is None:
             try:
-                t = load_file(str(path / s["name"]))
+                with safe_open(str(path / s["name"]), framework="pt") as f:
+                    problem = _layout_problem(f, manifest, s["name"])
+                t = None if problem else load_file(str(path / s["name"]))
             except SafetensorError as e:
                 problem = f"unreadable ({e})"
             else:
-                problem = _shard_problem(t, s)
-        files.append(FileStatus(s["name"], s.get("batch", 0), s.get("tokens", 0), s["bytes"], problem))
+                problem = problem or _shard_problem(t, s)
+        files.append(FileStatus(s["name"], s["batch"], s["tokens"], s["bytes"], problem))
+    for name in unlisted_shards(path, manifest):
+        files.append(FileStatus(name, 0, 0, (path / name).stat().st_size,
+                                "on disk but not listed in the manifest (training would skip it)"))
     head = manifest.get("head")
     if head is not None or manifest["shards"]:
         problem = "missing from the manifest" if head is None else _file_problem(path / HEAD, head)
-        if problem is None and _nonfinite_row(load_file(str(path / HEAD))["target_head"]) is not None:
-            problem = "non-finite target_head"
+        if problem is None:
+            try:
+                target_head = load_file(str(path / HEAD)).get("target_head")
+            except SafetensorError as e:
+                problem = f"unreadable ({e})"
+            else:
+                want = [manifest.get("vocab_size"), manifest.get("hidden_size")]
+                if target_head is None or list(target_head.shape) != want:
+                    problem = f"holds no target_head of shape {want}"
+                elif _nonfinite_row(target_head) is not None:
+                    problem = "non-finite target_head"
         files.append(FileStatus(HEAD, 0, 0, 0 if head is None else head["bytes"], problem))
     return CacheReport(path, manifest, files)
 
