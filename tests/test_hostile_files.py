@@ -156,7 +156,8 @@ def run_dir(workdir, tmp_path_factory):
     """A trained run (one step) whose checkpoint the cases below break."""
     out = tmp_path_factory.mktemp("ckpt") / "run"
     main(["train", "--model", str(workdir / "model"), "--data", str(workdir / "chat.jsonl"), "--out-dir", str(out),
-          "--max-steps", "1", "--draft-vocab-size", "32", "--ttt-length", "2", "--batch-size", "2", "--no-pack"])
+          "--max-steps", "1", "--draft-vocab-size", "32", "--ttt-length", "2", "--batch-size", "2", "--no-pack",
+          "--max-length", "256"])
     return out
 
 
