@@ -285,7 +285,8 @@ def _info(path: str) -> None:
 
 @dataclass(kw_only=True)
 class RegenerateArgs:
-    """Rewrite every assistant turn of chat data with the target (prompts kept), JSONL out."""
+    """Rewrite every assistant turn of chat data with the target (prompts kept), JSONL out:
+    eagle3fn synthesize --prompts under its old name (resumable: rerun the same command)."""
 
     model: ModelSource
     """The target."""
@@ -298,17 +299,8 @@ class RegenerateArgs:
 
 
 def regenerate(args: RegenerateArgs) -> None:
-    from transformers import AutoModelForCausalLM
+    """``eagle3fn synthesize --prompts`` under its old name (cli/synth.py): resumable, with
+    the filter report; every answer kept."""
+    from eagle3fn.cli.synth import regenerate as run
 
-    from eagle3fn.io.data import read_conversations
-    from eagle3fn.io.regenerate import regenerate as run, write_jsonl
-
-    device = args.model.torch_device()
-    _check_inputs(args.model, args.data, weights=True)
-    tok = _tokenizer(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model.path, dtype=args.model.torch_dtype(device),
-                                                 **args.model.kwargs()).to(device).eval()
-    conversations, skipped = read_conversations(args.data.path, on_error=args.data.on_error)
-    new = run(conversations, model, tok, args.generation)
-    n = write_jsonl(args.out, new, [c.tools for c in conversations])
-    print(f"wrote {n} conversations to {args.out} ({skipped} bad lines skipped)")
+    run(args)

@@ -12,7 +12,7 @@ import torch
 import tyro
 
 import eagle3fn
-from eagle3fn.cli import data, run
+from eagle3fn.cli import data, run, synth
 from eagle3fn.errors import Eagle3fnError
 from eagle3fn.io.stop import Stopped
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
@@ -155,6 +155,7 @@ def version(args: VersionArgs) -> None:
 def train(args: TrainConfig) -> None:
     from eagle3fn.train.loop import train as run_training
 
+    args.refuse_ignored_flags()
     run_training(args)
     if args.embedded_default:  # the demo ends with a real speculative-decoding check
         # KV-cached decoding makes both drafts cheap enough for the same 64 tokens.
@@ -164,6 +165,7 @@ def train(args: TrainConfig) -> None:
 COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),
             "vocab": (data.VocabArgs, data.vocab), "prepare": (data.PrepareArgs, data.prepare),
             "cache": (data.CacheArgs, data.cache),
+            "synthesize": (synth.SynthesizeArgs, synth.synthesize),
             "regenerate": (data.RegenerateArgs, data.regenerate),
             "export": (run.ExportArgs, run.export), "eval": (run.EvalArgs, run.evaluate),
             "plan": (PlanArgs, plan),
