@@ -31,7 +31,7 @@ def save_tiny_target(path) -> "object":
     tok = tiny_chat_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=2048,
                       pad_token_id=tok.pad_token_id)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)

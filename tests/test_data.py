@@ -329,7 +329,7 @@ def test_bad_line_raises_with_file_and_line_or_is_skipped(kind, tmp_path, tok, c
     path = write_jsonl(tmp_path, [GOOD, bad, GOOD])
     with pytest.raises(DataError, match=rf"{path}:2: {match}") as err:
         read_conversations(path)
-    assert "on_error='skip'" in str(err.value) or "JSONL" in str(err.value)
+    assert "--on-error skip" in str(err.value) or "JSONL" in str(err.value)
     with pytest.raises(DataError, match=rf"{path}:2: "):
         tokenize_file(path, tok, max_length=64)
     convs, skipped = read_conversations(path, on_error="skip")

@@ -44,7 +44,8 @@ def other_seed(workdir, tmp_path_factory):  # noqa: F811
 def torchrun(nproc, workdir, out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "eagle3fn.cli", "train", "--model", str(workdir / "model"),
-           "--data", str(workdir / "chat.jsonl"), "--out-dir", str(out), "--draft-vocab-size", "64",
+           *([] if "--cache" in extra else ["--data", str(workdir / "chat.jsonl")]),  # never both
+           "--out-dir", str(out), "--draft-vocab-size", "64",
            "--batch-size", "2", "--epochs", "1", "--ttt-length", "3", "--save-every", "2",
            "--lr", "1e-3", "--trim", "backbone", "--loss.normalization", "token_mean", "--no-pack", *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,

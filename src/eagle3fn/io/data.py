@@ -69,12 +69,15 @@ ROLE_ALIASES = {
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Stand-in contents for the span finder: first and last characters differ between the two.
 _PROBES = ("<eagle3fn probe a>", "[eagle3fn probe b]")
-_SKIP_HINT = "fix or remove the line, or pass on_error='skip' to skip bad lines"
+# The flag a user types (train's, and the --data group's of vocab / prepare / regenerate);
+# the library's keyword is on_error="skip".
+_SKIP_FLAG = "--on-error skip (--data.on-error skip in vocab, prepare and regenerate)"
+_SKIP_HINT = f"fix or remove the line, or pass {_SKIP_FLAG} to skip bad lines"
 _UTF8_HINT = ("re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass "
-              "on_error='skip' to skip bad lines")
+              f"{_SKIP_FLAG} to skip bad lines")
 _TAGS_HINT = (
     "add {% generation %}...{% endgeneration %} around assistant turns in "
-    "tokenizer.chat_template, or pass on_error='skip'"
+    f"tokenizer.chat_template, or pass {_SKIP_FLAG}"
 )
 
 
@@ -166,7 +169,7 @@ def _parse_line(obj: Any, source: str) -> Conversation:
                 source,
                 f"turn {i} has unknown role {raw_role!r}; known roles are "
                 f"{sorted(ROLE_ALIASES)} (OpenAI and ShareGPT names)",
-                "rename the role in the data, or pass on_error='skip' to skip such lines",
+                f"rename the role in the data, or pass {_SKIP_FLAG} to skip such lines",
             )
         content = turn.get(content_key)
         if content is None and rest.get("tool_calls"):
@@ -214,6 +217,11 @@ def check_data_file(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise UsageError(f"chat data file {str(path)!r} is a directory; pass the JSONL file "
                          "inside it (one conversation per line)")
+    if not path.is_file():  # a device or a pipe: read more than once (fingerprint, then lines)
+        from eagle3fn.io.paths import path_kind
+
+        raise UsageError(f"chat data file {str(path)!r} is {path_kind(path)}, not a file; pass a JSONL file "
+                         "(one conversation per line; a pipe cannot be read twice: save it to a file)")
     try:
         with path.open("rb"):
             pass

@@ -320,7 +320,7 @@ class _SoftCEBackward(torch.autograd.Function):
     def backward(ctx, *_):
         raise NotImplementedError(
             "second derivatives of the Triton soft cross-entropy are not implemented; "
-            "use impl='torch'"
+            "use impl='torch' (--ttt.loss-impl torch)"
         )
 
 
@@ -399,7 +399,7 @@ def indexed_soft_ce(
     if logits_NV.device.type != "cuda" and not _INTERPRETED:
         raise ValueError(
             f"the Triton soft cross-entropy needs CUDA tensors, got {logits_NV.device}; "
-            "use impl='torch', or set TRITON_INTERPRET=1 before importing triton (tests)"
+            "use impl='torch' (--ttt.loss-impl torch), or set TRITON_INTERPRET=1 before importing triton (tests)"
         )
     c = lambda x: None if x is None else x.contiguous()  # noqa: E731
     loss, lse, _, argmax, correct, accept = _SoftCEFunction.apply(

@@ -42,9 +42,7 @@ def draft_config_for(model_config, draft_vocab_size: int, vocab_size: int,
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = text.num_attention_heads
     rope = RopeConfig.from_hf_config(text)
-    kind = (getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
-    kind = kind.get("full_attention", kind) if isinstance(kind.get("full_attention"), dict) else kind
-    kind = kind.get("rope_type", kind.get("type", "default"))
+    kind = _rope_scaling(text).get("rope_type", _rope_scaling(text).get("type", "default"))
     limit = {"longrope": rope.original_max_position_embeddings,
              "dynamic": getattr(text, "max_position_embeddings", None)}.get(kind)
     if max_length is not None and limit is not None and max_length > limit:
@@ -66,33 +64,73 @@ def draft_config_for(model_config, draft_vocab_size: int, vocab_size: int,
 
 
 
+def _rope_scaling(text) -> dict:
+    """The text config's RoPE scaling dict (``rope_parameters`` in transformers 5,
+    ``rope_scaling`` before; the ``full_attention`` entry of a per-layer-type dict),
+    empty without one."""
+    scaling = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return scaling.get("full_attention", scaling) if isinstance(scaling.get("full_attention"), dict) else scaling
+
+
+_EXTENDING = ("linear", "yarn", "llama3")
+"""RoPE scalings with fixed frequencies that stretch the trained range to ``factor x
+original_max_position_embeddings``."""
+
+
+def target_positions(text) -> tuple[int | None, str]:
+    """The positions a target (text config) is meant for and how that was decided:
+    ``max_position_embeddings``, or for a ``_EXTENDING`` RoPE scaling the larger of it
+    and ``factor x original_max_position_embeddings`` (the original defaulting to
+    ``max_position_embeddings``); ``(None, ...)`` when the config names none."""
+    positions = getattr(text, "max_position_embeddings", None)
+    scaling = _rope_scaling(text)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if positions is None:
+        return None, "the target's config names no max_position_embeddings"
+    why = f"max_position_embeddings {positions}"
+    if kind in _EXTENDING and scaling.get("factor"):
+        original = scaling.get("original_max_position_embeddings") or positions
+        stretched = int(float(scaling["factor"]) * original)
+        if stretched > positions:
+            return stretched, f"its {kind} RoPE scaling: factor {scaling['factor']} x {original}"
+        return positions, f"{why}, which its {kind} RoPE scaling does not extend"
+    return positions, why + ("" if kind == "default" else f" (its {kind} RoPE scaling does not extend it)")
+
+
 def check_paths(cfg: TrainConfig) -> None:
     """Every input the run reads exists and looks right, before anything heavy loads."""
     from eagle3fn.io.model_dir import check_model_dir
+    from eagle3fn.io.paths import need_dir, need_file
 
     check_model_dir(cfg.model, cfg.gguf_file, tokenizer=not cfg.cache)
+    fixes = {"--data": "pass the chat JSONL file", "--vocab-map": "pass the file eagle3fn vocab wrote"}
     for flag, path in (("--data", None if cfg.cache else cfg.data), ("--vocab-map", cfg.vocab_map)):
         if path is None:
             continue
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path}: no such file; pass an existing file")
+        need_file(path, flag, fixes[flag])
         try:
             with open(path, "rb") as f:
                 f.read(1)
         except OSError as e:
             raise UsageError(f"{flag} {path} cannot be read ({e.strerror}); fix its permissions") from e
-    if cfg.cache and not Path(cfg.cache).is_dir():
-        raise FileNotFoundError(f"--cache {cfg.cache}: no such directory; write one with eagle3fn prepare")
+    if cfg.cache:
+        need_dir(cfg.cache, "--cache", "pass the directory eagle3fn prepare wrote")
 
 
 def check_draft_shape(cfg: TrainConfig) -> None:
     """The draft the target's config implies can be built for these flags (its RoPE,
-    ``--max-length``), read from config.json alone, before the target loads."""
+    ``--max-length`` within the target's positions unless ``--allow-long``:
+    ``target_positions``), read from config.json alone, before the target loads."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(cfg.model, **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     draft_config_for(config, cfg.draft_vocab_size, text.vocab_size, max_length=cfg.max_length)
+    positions, why = target_positions(text)
+    if positions is not None and cfg.max_length > positions and not cfg.allow_long:
+        raise UsageError(f"--max-length {cfg.max_length} is beyond the {positions} positions of the target "
+                         f"{cfg.model} ({why}): its features past them come from positions it was never "
+                         f"trained at; pass --max-length {positions} or less, or --allow-long to train there anyway")
     if not cfg.cache and getattr(text, "num_hidden_layers", None):  # a cache brings its own ids
         from eagle3fn.io.target import default_aux_layer_ids, validate_aux_layer_ids
 

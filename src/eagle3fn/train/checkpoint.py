@@ -42,7 +42,8 @@ checkpoint, with ``best = {"step", "acceptance_length"}``)."""
 _NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "eval_accept_prompts",
                    "eval_accept_tokens", "tensorboard", "preset",
                    "model", "gguf_file", "data", "cache", "vocab_map", "device", "trim",
-                   "trim_loss_positions", "parallel", "max_steps", "compile_target", "precompile")
+                   "trim_loss_positions", "parallel", "max_steps", "compile_target", "precompile",
+                   "allow_long", "memory_check")
 # max_steps may change on resume (train a run further, or stop it earlier): it is kept
 # beside the fingerprint, and ``check_resume`` says when the lr schedule is re-spanned.
 _REQUIRED = ("params", "optimizer", "step", "epoch", "pos", "rng", "config", "draft", "aux_layer_ids",

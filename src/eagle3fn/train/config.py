@@ -133,7 +133,15 @@ class TrainConfig:
     """Target layers captured (default [1, N//2-1, N-4])."""
     max_length: int = 2048
     """Tokens per conversation (longer ones are cut); with --pack also per packed row,
-    unless --pack-length says otherwise."""
+    unless --pack-length says otherwise. At most the target's positions
+    (``max_position_embeddings``, or what its RoPE scaling extends them to) unless
+    --allow-long."""
+    allow_long: bool = False
+    """Allow --max-length beyond the target's positions: its ``max_position_embeddings``,
+    or for a ``linear``, ``yarn`` or ``llama3`` RoPE scaling the larger of that and
+    ``factor x original_max_position_embeddings``. Past them the target's features come
+    from positions it was never trained at. (A ``dynamic`` or ``longrope`` target past
+    its fixed-frequency range is refused either way: the draft cannot follow it.)"""
     pack: bool = True
     """Pack several conversations per row of --pack-length tokens (best fit, longest
     first, inside windows of --pack-window consecutive conversations; never splitting
@@ -225,6 +233,13 @@ class TrainConfig:
     step compiles as without it. Results are bitwise the same either way. Off by default:
     on an H200 it did not shorten a cold start (the two threads slow each other;
     docs/benchmarks.md). Not under torchrun."""
+    memory_check: bool = True
+    """Before anything loads, estimate the peak memory of a step (``eagle3fn plan``'s
+    model of the draft step with its optimizer state, at --batch-size rows of
+    --pack-length / --max-length tokens and 30% supervised, plus online the target's
+    weights, hidden states and attention mask) and refuse a run that cannot fit in the
+    device's free memory (CUDA: free GPU memory; CPU: available RAM and any cgroup
+    limit), naming the numbers and the fix. --no-memory-check runs it anyway."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is NaN/Inf: ``error`` stops the run naming the
     step, the batch and the last good checkpoint (nothing non-finite is saved);
@@ -320,6 +335,17 @@ class TrainConfig:
              f">= --max-length ({self.max_length}): a row holds at least one whole conversation "
              "(or leave it unset: rows of --max-length)")
         need(self.pack_window >= 1, "pack-window", self.pack_window, ">= 1, e.g. 256")
+
+    def refuse_ignored_flags(self) -> None:
+        """What the command line refuses and the library only notes (``train`` logs it):
+        ``--data`` beside ``--cache``, which offline training never reads. UsageError
+        naming both and the fix."""
+        if self.cache and self.data:
+            from eagle3fn.errors import UsageError
+
+            raise UsageError(f"--data {self.data} and --cache {self.cache} given together: offline training "
+                             f"reads the conversations' features from the cache and never reads --data; drop "
+                             f"--data to train offline, or --cache to train online on {self.data}")
 
     @property
     def embedded_default(self) -> bool:

@@ -65,7 +65,9 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     step before clipping and the optimizer (tests compare them with a one-process
     oracle; under torchrun every rank must pass it).
 
-    Inputs are checked before anything heavy loads; a step whose loss or gradient norm
+    Inputs are checked before anything heavy loads (paths, the draft's shape and
+    --max-length against the target's config, and with ``memory_check`` the step's
+    estimated peak memory against the device's free memory: ``preflight``); a step whose loss or gradient norm
     is not finite stops the run (RunError) or, with ``on_nonfinite="skip"``, is dropped
     and counted; a resume with another run fingerprint stops, listing the differences.
     A run that fails before its first checkpoint leaves no out_dir it created behind.
@@ -83,6 +85,10 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
     device = resolve_device(cfg.device)
     check_paths(cfg)
     check_draft_shape(cfg)
+    if cfg.cache and cfg.data:  # the command line refuses it (TrainConfig.refuse_ignored_flags)
+        log(f"note: --data {cfg.data} is not read: offline training reads the features from --cache {cfg.cache}")
+    if cfg.memory_check:
+        _check_memory(cfg, device)
     out = Path(cfg.out_dir)
     created = open_out_dir(out)
     try:
@@ -94,6 +100,17 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         if created and not (out / CHECKPOINT).exists() and is_main():
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def _check_memory(cfg: TrainConfig, device) -> None:
+    """``preflight.check_memory`` from the target's config.json, before anything loads."""
+    from transformers import AutoConfig
+
+    from eagle3fn.train.preflight import check_memory
+    from eagle3fn.train.sources import compute_dtype
+
+    model_config = AutoConfig.from_pretrained(cfg.model, **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}))
+    check_memory(cfg, model_config, device, compute_dtype(cfg, device))
 
 
 class _Discard:
