@@ -6,7 +6,7 @@ target alone: its system prompt is chosen by i, each request's seed is
 So a run may be cut anywhere and resumed, and its file equals an uninterrupted run's
 (for greedy decoding, and for sampling on a backend whose draws follow the seed).
 
-A chunk of ``commit_every`` conversations advances in rounds, one request per live
+A chunk of ``commit_every`` conversations (fewer near the end) advances in rounds, one request per live
 conversation each: synthesized conversations alternate user turns (Magpie: the
 template's text up to a user turn, sampled to its end-of-turn token) and answers;
 given prompts (``--prompts``) have every assistant turn rewritten, each conditioned on
@@ -170,7 +170,10 @@ class Synthesizer:
 
         try:
             while kept < target:
-                chunk = [i for _, i in zip(range(self.commit_every), todo)]
+                # No more than the conversations still missing (and a quarter more for
+                # the filters): chunking does not change any conversation's content.
+                need = target - kept
+                chunk = [i for _, i in zip(range(min(self.commit_every, need + need // 4 + 1)), todo)]
                 if not chunk:
                     break
                 convs = [new_conv(i, given, systems) for i in chunk]
