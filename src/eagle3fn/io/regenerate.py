@@ -3,7 +3,10 @@
 A draft learns to predict the *target's* next tokens; trained on the target's own
 answers it accepts more at inference. The prompts (system, user, tool turns) are kept;
 assistant turn t is regenerated conditioned on the regenerated turns before it.
-Conversations are generated in batches, turn by turn, with left padding.
+
+This is ``eagle3fn synthesize --prompts`` in memory (``eagle3fn.synth``): the batched
+static-cache engine (continuous refill) writes the answers; ``eagle3fn regenerate`` is
+that command under its old name.
 """
 
 from __future__ import annotations
@@ -32,25 +35,6 @@ class GenerationConfig:
     """Sampling seed."""
 
 
-def _generate(model, tokenizer, prompts: list[list[dict]], tools: list, cfg: GenerationConfig) -> list[str]:
-    texts = [tokenizer.apply_chat_template(p, tools=t, tokenize=False, add_generation_prompt=True)
-             for p, t in zip(prompts, tools)]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = side
-    enc = {k: v.to(model.device) for k, v in enc.items()}
-    sample = cfg.temperature > 0
-    out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
-                         temperature=cfg.temperature if sample else None,
-                         top_p=cfg.top_p if sample else None,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    new = out[:, enc["input_ids"].shape[1]:]
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
-
-
 @torch.no_grad()
 def regenerate(conversations: Sequence, model, tokenizer, cfg: GenerationConfig) -> list[list[dict]]:
     """New message lists with every assistant turn written by ``model``.
@@ -61,27 +45,22 @@ def regenerate(conversations: Sequence, model, tokenizer, cfg: GenerationConfig)
         model, tokenizer: a HF causal LM and its tokenizer (with a chat template).
 
     Returns:
-        One message list per conversation, prompts unchanged, assistant contents new.
+        One message list per conversation, prompts unchanged, assistant contents new
+        (answers cut by ``max_new_tokens`` kept as they are).
     """
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
-    torch.manual_seed(cfg.seed)
-    result = [[dict(m) for m in c.messages] for c in conversations]
-    tools = [getattr(c, "tools", None) for c in conversations]
-    for start in range(0, len(result), cfg.batch_size):
-        chunk = list(range(start, min(start + cfg.batch_size, len(result))))
-        turns = max(sum(m["role"] == "assistant" for m in result[i]) for i in chunk)
-        for t in range(turns):
-            todo = []  # (conversation, message index of its t-th assistant turn)
-            for i in chunk:
-                where = [k for k, m in enumerate(result[i]) if m["role"] == "assistant"]
-                if t < len(where):
-                    todo.append((i, where[t]))
-            answers = _generate(model, tokenizer, [result[i][:k] for i, k in todo],
-                                [tools[i] for i, _ in todo], cfg)
-            for (i, k), text in zip(todo, answers):
-                result[i][k]["content"] = text
-    return result
+    from eagle3fn.synth import EngineBackend, GivenPrompt, SynthConfig, Synthesizer
+    from eagle3fn.synth.pipeline import new_conv
+    from eagle3fn.synth.run import stop_ids_for
+
+    synth_cfg = SynthConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            seed=cfg.seed, keep_truncated=True)
+    given = [GivenPrompt(tuple(c.messages), getattr(c, "tools", None)) for c in conversations]
+    convs = [new_conv(i, given, ()) for i in range(len(given))]
+    if convs:
+        synth = Synthesizer(EngineBackend(model, tokenizer, batch_size=cfg.batch_size), tokenizer, synth_cfg,
+                            stop_ids=stop_ids_for(tokenizer, model))
+        synth.run_chunk(convs, None, lambda n: None)
+    return [c.messages for c in convs]
 
 
 def write_jsonl(path: str | Path, message_lists: Iterable[list[dict]], tools: Iterable = ()) -> int:
