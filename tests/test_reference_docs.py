@@ -18,7 +18,7 @@ def test_config_reference_is_up_to_date():
         "docs/reference/config.md is out of date: run python docs/reference/generate.py"
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "export"])
+@pytest.mark.parametrize("command", ["train", "eval", "export", "synthesize"])
 def test_config_reference_has_every_flag_with_its_help(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -31,7 +31,8 @@ def test_config_reference_has_every_flag_with_its_help(capsys, command):
     # Each field's docstring is in the page (what --help shows), e.g. the held-out split.
     generator = runpy.run_path(str(GENERATOR))
     from eagle3fn.cli.run import EvalArgs, ExportArgs
+    from eagle3fn.cli.synth import SynthesizeArgs
     from eagle3fn.train.config import TrainConfig
-    cls = {"train": TrainConfig, "eval": EvalArgs, "export": ExportArgs}[command]
+    cls = {"train": TrainConfig, "eval": EvalArgs, "export": ExportArgs, "synthesize": SynthesizeArgs}[command]
     for doc in generator["field_docs"](cls).values():
         assert doc.replace("|", "\\|") in section

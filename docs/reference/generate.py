@@ -1,4 +1,4 @@
-"""Write ``docs/reference/config.md``: every field of the train, eval and export configs
+"""Write ``docs/reference/config.md``: every field of the train, eval, export and synthesize configs
 with its type, default and docstring (the text ``--help`` shows), and the presets.
 
     python docs/reference/generate.py
@@ -17,18 +17,23 @@ import typing
 from pathlib import Path
 
 from eagle3fn.cli.run import EvalArgs, ExportArgs
+from eagle3fn.cli.synth import SynthesizeArgs
 from eagle3fn.train.config import PRESETS, TrainConfig
 
 PAGE = Path(__file__).with_name("config.md")
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, on one line."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {node.target.id: " ".join(inspect.cleandoc(doc.value.value).split())
-            for node, doc in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr)
-            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    """The docstring under each field of a dataclass (and of the dataclasses it derives
+    from; the nearest wins), on one line."""
+    docs = {}
+    for base in reversed([b for b in cls.__mro__ if dataclasses.is_dataclass(b)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0].body
+        docs.update({node.target.id: " ".join(inspect.cleandoc(doc.value.value).split())
+                     for node, doc in zip(body, body[1:])
+                     if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr)
+                     and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)})
+    return docs
 
 
 def type_name(tp) -> str:
@@ -96,6 +101,13 @@ given beside it wins, unless it equals the class default). The embedded default 
 ## `eagle3fn export` (`eagle3fn.cli.run.ExportArgs`)
 
 {_table(ExportArgs)}
+
+## `eagle3fn synthesize` (`eagle3fn.cli.synth.SynthesizeArgs`)
+
+Training data from the target itself (docs/how-to/make-training-data.md). `eagle3fn
+regenerate` is `synthesize --prompts` under its old name, with its old flags.
+
+{_table(SynthesizeArgs)}
 """
 
 

@@ -10,7 +10,7 @@ The CLI (``cli/main.py``) prints ``eagle3fn: error: <message>`` without a traceb
   checkpoint, a resume with other settings, a full disk); exit 1.
 
 The standard ``ValueError`` / ``FileNotFoundError`` raised by our own validation are
-shown the same way (exit 2 and 1). ``docs/errors.md`` lists them by command.
+shown the same way (exit 2 and 1). ``docs/reference/errors.md`` lists them by command.
 """
 
 from __future__ import annotations
