@@ -214,10 +214,12 @@ def _stopping_log(stop):
 
 @dataclass(kw_only=True)
 class CacheArgs:
-    """Inspect an offline feature cache. ``eagle3fn cache verify DIR`` reads every shard
-    (exists, size and sha256 as the manifest says, loads, consistent index, finite
-    features), prints a table and a summary, and exits 1 if any file is broken or the
-    cache is unfinished. ``eagle3fn cache info DIR`` prints what the cache holds from its
+    """Inspect an offline feature cache. ``eagle3fn cache verify DIR`` checks the
+    manifest's digest (an edited manifest is broken), reads every shard (exists, size
+    and sha256 as the manifest says, loads, dtypes and widths as the manifest says,
+    consistent index, finite features), lists shard files the manifest does not list,
+    prints a table and a summary, and exits 1 if any file is broken or the cache is
+    unfinished. ``eagle3fn cache info DIR`` prints what the cache holds from its
     manifest (conversations, real and supervised tokens, bytes per real token by
     component, dtypes, fingerprints) without reading the shards."""
 
