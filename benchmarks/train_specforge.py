@@ -1,6 +1,6 @@
 """benchmarks/train.py's SpecForge 0.2.0 loop, run in the benchmark's process on the
 same batches as eagle3fn (train.py's module docstring, step 4): its draft, the HF
-backend's capture, ``SpecForgeLoop`` and ``specforge_loop``."""
+backend's ``capture``, ``SpecForgeLoop`` and ``specforge_loop``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def specforge_draft(shape: Shape, model_dir: Path, device: str, d2t, t2d, embed)
     return draft
 
 
-def _capture(model, decoder, layers: list[int], input_ids, attention_mask):
+def capture(model, decoder, layers: list[int], input_ids, attention_mask):
     """The HF backend's capture: forward hooks on the ``layers`` of ``decoder`` (the
     target's decoder layers), one forward of ``model`` (the causal LM, or its backbone)
     with ``use_cache=False``; ``(aux [B, S, 3H], outputs)``."""
@@ -100,8 +100,8 @@ class SpecForgeLoop:
         if offline:  # capture once, keep on the host, drop the target but its head
             with torch.no_grad():
                 for b in self.inputs:
-                    aux, out = _capture(self.target.model, self.target.model.layers, self.layers,
-                                        b["input_ids"].to(device), b["attention_mask"].to(device))
+                    aux, out = capture(self.target.model, self.target.model.layers, self.layers,
+                                       b["input_ids"].to(device), b["attention_mask"].to(device))
                     self.stored.append((aux.cpu(), out.last_hidden_state.cpu()))
             self.head = self.target.get_output_embeddings().weight.detach().clone()
             self.target = None
@@ -124,7 +124,7 @@ class SpecForgeLoop:
             logits = F.linear(padding(final, left=False), self.head)  # TargetHead.preprocess + forward
         else:
             with torch.no_grad():
-                aux, out = _capture(self.target, self.target.model.layers, self.layers, ids, am)
+                aux, out = capture(self.target, self.target.model.layers, self.layers, ids, am)
                 logits = padding(out.logits, left=False)
         plosses, *_ = self.model(input_ids=padding(ids, left=False), attention_mask=am, target=logits,
                                  loss_mask=lm[..., None].int(), hidden_states=aux)
