@@ -163,6 +163,8 @@ def test_foreign_directories_fail_in_one_line(saved, tmp_path):
         load_draft(out)
     with pytest.raises(ValueError, match=r"aux_layer_ids=\[1, 5, 11\] must be"):
         load_draft(out, aux_layer_ids=(1, 5, 11), num_target_layers=LAYERS)
+    with pytest.raises(ValueError, match=r"aux_layer_ids=\[3, 2, 1\] must be three strictly increasing"):
+        load_draft(out, aux_layer_ids=(3, 2, 1))
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     config = json.loads((bad / "config.json").read_text())

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 from pathlib import Path
 from typing import Callable
@@ -272,8 +273,17 @@ def _checked_tensors(stored: dict[str, torch.Tensor], cfg: DraftConfig):
 
 
 def _checked_ids(ids, num_layers: int | None) -> tuple[int, int, int]:
-    # Without the target's depth only the order and sign can be checked.
-    return validate_aux_layer_ids(ids, num_layers if num_layers is not None else 1 << 30)
+    """``validate_aux_layer_ids``; without the target's depth, only three increasing ids >= 0."""
+    if num_layers is not None:
+        return validate_aux_layer_ids(ids, num_layers)
+    try:
+        out = tuple(operator.index(i) for i in ids)
+    except TypeError:
+        out = ()
+    if len(out) != 3 or out[0] < 0 or not out[0] < out[1] < out[2]:
+        raise ValueError(f"aux_layer_ids={list(ids)} must be three strictly increasing output-of-layer ids "
+                         ">= 0 (the target layers the draft was trained on)")
+    return out  # type: ignore[return-value]
 
 
 def _recorded_ids(config: dict, config_path: Path, num_layers: int | None,
