@@ -28,19 +28,27 @@ def workdir(tmp_path_factory):
     return work
 
 
-def test_tiny_cpu_run_imports(bench, workdir, tmp_path):
+ARGS = dict(max_length=64, batch_size=2, max_steps=2, draft_vocab_size=64, ttt_length=3, eval_holdout=1,
+            save_every=1, log_every=1, lr=1e-3, warmup_ratio=0.75, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smoke(bench, workdir):
+    """The 2-step CPU run: ``(args, its JSON record)``."""
+    args = bench.OutcomeArgs(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"),
+                             out_dir=str(workdir / "sf"), **ARGS)
+    return args, bench.main(args)
+
+
+def test_tiny_cpu_run_imports(bench, workdir, smoke):
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.import_draft import as_run
     from eagle3fn.io.vocab_io import vocab_map_from_examples
     from eagle3fn.train.step import lr_at
     from transformers import AutoTokenizer
 
-    args = bench.OutcomeArgs(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"),
-                             out_dir=str(tmp_path / "sf"), max_length=64, batch_size=2, max_steps=2,
-                             draft_vocab_size=64, ttt_length=3, eval_holdout=1, save_every=1, log_every=1,
-                             lr=1e-3, warmup_ratio=0.75, device="cpu")
-    record = bench.main(args)
-    assert json.loads((tmp_path / "sf" / "outcome_specforge.json").read_text())["steps"] == 2
+    args, record = smoke
+    assert json.loads((workdir / "sf" / "outcome_specforge.json").read_text())["steps"] == 2
     assert record["args"]["max_steps"] == 2 and record["conversations"] == 10 and record["steps"] == 2
     assert "--no-pack" in record["eagle3fn_command"] and "--max-steps 2" in record["eagle3fn_command"]
     assert [s["step"] for s in record["checkpoints"]] == [1, 2]
@@ -60,6 +68,21 @@ def test_tiny_cpu_run_imports(bench, workdir, tmp_path):
         assert all(torch.isfinite(p).all() for p in run["params"].values())
     moved = [n for n in runs[0]["params"] if not torch.equal(runs[0]["params"][n], runs[1]["params"][n])]
     assert "lm_head.weight" in moved and "fc.weight" in moved  # step 2 trained
+
+
+def test_eval_cli_takes_the_draft(workdir, smoke, capsys):
+    """``eagle3fn eval --draft DIR --model TARGET`` (once cli/run.py has --draft)."""
+    from eagle3fn.cli.main import main
+    from eagle3fn.cli.run import EvalArgs
+
+    if "draft" not in EvalArgs.__dataclass_fields__:
+        pytest.skip("eagle3fn eval has no --draft yet")
+    main(["eval", "--draft", smoke[1]["checkpoints"][-1]["path"], "--model", str(workdir / "model"),
+          "--prompts", str(workdir / "chat.jsonl"), "--num-prompts", "2", "--max-new-tokens", "8",
+          "--batch-size", "2", "--num-draft-tokens", "3"])
+    out = capsys.readouterr().out
+    assert "records no aux layer ids" in out and "trained draft (step 2), 2 prompts" in out
+    assert "2/2 outputs identical" in out
 
 
 def test_fixed_shape_is_specforge_as_shipped(bench, workdir):
