@@ -4,9 +4,11 @@ vocab map, the schedule eagle3fn's lr_at), and its fixed-shape batches giving th
 gradients of SpecForge as shipped (padded to the batch's longest), with a control."""
 
 import json
+import shlex
 
 import pytest
 import torch
+import tyro
 from recorders import load_benchmark, save_tiny_target, write_tiny_chat
 
 pytest.importorskip("specforge")
@@ -44,6 +46,7 @@ def test_tiny_cpu_run_imports(bench, workdir, smoke):
     from eagle3fn.io.data import tokenize_file
     from eagle3fn.io.import_draft import as_run
     from eagle3fn.io.vocab_io import vocab_map_from_examples
+    from eagle3fn.train.config import TrainConfig
     from eagle3fn.train.step import lr_at
     from transformers import AutoTokenizer
 
@@ -51,6 +54,8 @@ def test_tiny_cpu_run_imports(bench, workdir, smoke):
     assert json.loads((workdir / "sf" / "outcome_specforge.json").read_text())["steps"] == 2
     assert record["args"]["max_steps"] == 2 and record["conversations"] == 10 and record["steps"] == 2
     assert "--no-pack" in record["eagle3fn_command"] and "--max-steps 2" in record["eagle3fn_command"]
+    # the printed command is the eagle3fn train run it mirrors
+    assert tyro.cli(TrainConfig, args=shlex.split(record["eagle3fn_command"])[2:]) == bench.train_config(args)
     assert [s["step"] for s in record["checkpoints"]] == [1, 2]
     assert 0 < record["startup_s"] and 0 < record["train_s"] <= record["total_s"]
     cfg = bench.train_config(args)
