@@ -52,8 +52,10 @@ class SynthesizeArgs(SynthConfig):
     batch_size: int | None = None
     """Local: requests decoded together (slots of the static cache, refilled as rows
     finish; default 256 on CUDA, 16 on the CPU)."""
-    commit_every: int = 256
-    """Conversations made between writes to --out (a killed run redoes at most these)."""
+    commit_every: int | None = None
+    """Conversations made between writes to --out (a killed run redoes at most these;
+    default 8 x --batch-size, or 8 x --concurrency with --server: enough requests per
+    round for finished rows to be refilled)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,7 +63,7 @@ class SynthesizeArgs(SynthConfig):
             raise UsageError(f"--concurrency {self.concurrency}: must be >= 1, e.g. --concurrency 16")
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"--batch-size {self.batch_size}: must be >= 1, e.g. --batch-size 64")
-        if self.commit_every < 1:
+        if self.commit_every is not None and self.commit_every < 1:
             raise UsageError(f"--commit-every {self.commit_every}: must be >= 1, e.g. --commit-every 256")
         if self.prompts is not None and (self.system_prompts or self.topics or self.turns != 1):
             raise UsageError("--system-prompts, --topics and --turns steer synthesized prompts; with "
@@ -101,20 +103,21 @@ def synthesize(args: SynthesizeArgs) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, **args.model.kwargs())
-    backend, model, identity = _backend(args, path, tok)
+    backend, model, identity, width = _backend(args, path, tok)
     from eagle3fn.synth.run import stop_ids_for
 
     try:
         run(backend=backend, tokenizer=tok, cfg=args.config(), out=args.out, identity=identity,
             stop_ids=stop_ids_for(tok, model), prompts=args.prompts, on_error=args.on_error,
-            commit_every=args.commit_every)
+            commit_every=args.commit_every or 8 * width)
     finally:
         if hasattr(backend, "close"):
             backend.close()
 
 
 def _backend(args: SynthesizeArgs, path: str, tok):
-    """``(backend, model or None, identity)`` for --server or the local target."""
+    """``(backend, model or None, identity, requests in flight)`` for --server or the
+    local target."""
     from eagle3fn.io.fingerprint import target_fingerprint
 
     if args.server is not None:
@@ -123,7 +126,7 @@ def _backend(args: SynthesizeArgs, path: str, tok):
 
         backend = ServerBackend(args.server, model=args.server_model, concurrency=args.concurrency)
         return backend, None, {"backend": "server", "server_model": backend.model,
-                               "tokenizer": tokenizer_digest(tok)}
+                               "tokenizer": tokenizer_digest(tok)}, args.concurrency
     from eagle3fn.synth.run import default_batch_size, load_local
 
     device = args.model.torch_device()
@@ -133,7 +136,7 @@ def _backend(args: SynthesizeArgs, path: str, tok):
     batch = args.batch_size or default_batch_size(device)
     backend, model = load_local(path, tok, gguf_file=args.model.gguf_file, dtype=dtype, device=device,
                                 batch_size=batch)
-    return backend, model, identity
+    return backend, model, identity, batch
 
 
 def regenerate(args) -> None:

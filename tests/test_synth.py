@@ -52,8 +52,8 @@ TINY = dict(turns=2, max_new_tokens=10, max_prompt_tokens=16, requests_only=Fals
 
 def run(out, tok, backend, cfg, **kw):
     return synthesize(backend=backend, tokenizer=tok, cfg=cfg, out=str(out), identity={"backend": "test"},
-                      stop_ids=stop_ids_for(tok), commit_every=kw.pop("commit_every", 3), live=False,
-                      log=lambda s: None, **kw)
+                      stop_ids=stop_ids_for(tok), commit_every=kw.pop("commit_every", 3),
+                      live=kw.pop("live", False), log=lambda s: None, **kw)
 
 
 def lines(path):
@@ -150,18 +150,22 @@ class Scripted:
     def __call__(self, requests):
         for k, r in enumerate(requests):
             is_user = r.max_new_tokens == 16
-            text, done = (self.users if is_user else self.answers).pop(0)
+            script = self.users if is_user else self.answers
+            # Past the script (a chunk may make more than the run keeps): fresh fillers.
+            text, done = script.pop(0) if script else (f"Filler question number {r.seed}?", True)
             yield k, Completion(text, done, 3)
 
 
-def test_pipeline_drops_each_reason_and_reports_it(tmp_path, tok):
+def test_pipeline_drops_each_reason_and_reports_it(tmp_path, tok, capsys):
     sky = "Why is the sky blue during the day and red at sunset?"
     users = [(sky, True), ("", True), ("What is", False), ("The sky.", True),
              (sky.lower().replace(" ", "  "), True), (sky[:-1] + " today?", True),
              ("How do magnets work?", True), ("Name three rivers.", True), ("List two fruits.", True)]
     answers = [("Rayleigh scattering.", True), ("Magnets ...", False), ("", True), ("Apples, pears.", True)]
     cfg = SynthConfig(num_conversations=2, max_prompt_tokens=16, max_new_tokens=8)
-    report = run(tmp_path / "o.jsonl", tok, Scripted(users, answers), cfg, commit_every=9)
+    report = run(tmp_path / "o.jsonl", tok, Scripted(users, answers), cfg, commit_every=9, live=True)
+    bar = capsys.readouterr().err  # the progress bar: kept / asked, tokens/s, ETA
+    assert "2/2" in bar and "tok/s" in bar and "ETA" in bar
     assert report["dropped"] == {"empty_prompt": 1, "truncated_prompt": 1, "not_request": 1,
                                  "exact_duplicate": 1, "near_duplicate": 1, "empty_answer": 1,
                                  "truncated_answer": 1}

@@ -29,7 +29,7 @@ class SynthConfig:
     you will serve at)."""
     top_p: float = 1.0
     """Answers: nucleus sampling threshold (with --temperature > 0)."""
-    max_prompt_tokens: int = 128
+    max_prompt_tokens: int = 256
     """Tokens per sampled user turn at most; a user turn cut there is dropped
     ('truncated_prompt')."""
     prompt_temperature: float = 1.0

@@ -18,6 +18,7 @@ until ``num_conversations`` are kept.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -157,23 +158,30 @@ class Synthesizer:
                 first = next(m["content"] for m in row["messages"] if m["role"] == "user")
                 prompts.remember(first)
         kept, resumed = store.kept, len(store.done)
+        start = kept
         if resumed:
             self.log(f"resuming {out}: {kept} of {target} conversations kept, {resumed - kept} dropped")
         todo = (i for i in range(limit) if i not in store.done)
         bar = _bar(target, kept, live)
         t0 = time.perf_counter()
 
+        shown = [t0]
+
         def tick(n: int) -> None:
-            if bar is not None:
-                bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s",
-                                    refresh=False)
+            now = time.perf_counter()
+            if bar is not None and now - shown[0] > 0.5:  # tokens/s between writes too
+                bar.set_postfix_str(f"{self.tokens / max(now - t0, 1e-9):.0f} tok/s")
+                shown[0] = now
 
         try:
             while kept < target:
-                # No more than the conversations still missing (and a quarter more for
-                # the filters): chunking does not change any conversation's content.
-                need = target - kept
-                chunk = [i for _, i in zip(range(min(self.commit_every, need + need // 4 + 1)), todo)]
+                # No more than the conversations still missing, over the share kept so
+                # far (a half before any is known; all for given prompts), a tenth more:
+                # chunking does not change any conversation's content.
+                tried = len(store.done)
+                share = 1.0 if given is not None else (max(kept / tried, 0.1) if tried else 0.5)
+                size = min(self.commit_every, math.ceil(1.1 * (target - kept) / share))
+                chunk = [i for _, i in zip(range(size), todo)]
                 if not chunk:
                     break
                 convs = [new_conv(i, given, systems) for i in chunk]
@@ -189,10 +197,14 @@ class Synthesizer:
                         store.reject(c.index, c.reason, c.messages)
                         store.done[c.index] = {"reason": c.reason}
                 if bar is not None:
+                    rate = self.tokens / max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
                     bar.update(kept - bar.n)
                 else:
-                    rate = self.tokens / max(time.perf_counter() - t0, 1e-9)
-                    self.log(f"{kept}/{target} conversations kept, {len(store.done)} tried, {rate:.0f} tok/s")
+                    spent = time.perf_counter() - t0
+                    eta = spent / max(kept - start, 1) * (target - kept)
+                    self.log(f"{kept}/{target} conversations kept, {len(store.done)} tried, "
+                             f"{self.tokens / max(spent, 1e-9):.0f} tok/s, elapsed {spent:.0f} s, ETA {eta:.0f} s")
         finally:
             if bar is not None:
                 bar.close()
