@@ -6,7 +6,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = sorted((ROOT / "docs" / "tutorials").glob("*.md")) + [ROOT / "README.md"]
+PAGES = (sorted((ROOT / "docs" / "tutorials").glob("*.md")) + sorted((ROOT / "docs" / "how-to").glob("*.md"))
+         + [ROOT / "README.md"])
 
 
 def python_blocks(text):
