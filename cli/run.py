@@ -117,31 +117,46 @@ class EvalArgs:
     """Prompts to evaluate (the first ones of --prompts, else of the held-out set);
     default: every conversation of --prompts, else 8. Asking for more than there are
     is an error, never a silently smaller set."""
-    num_draft_tokens: int = 6
-    """Draft tokens proposed per round (k)."""
+    num_draft_tokens: tuple[int, ...] = (6,)
+    """Draft tokens proposed per round (k); several (``--num-draft-tokens 1 2 3 4 5 6 7``)
+    sweep them, each timed against the same target-alone run, and report the fastest k per
+    batch size."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
     temperature: float = 0.0
     """0 = greedy verification; else the standard rejection rule at this temperature."""
-    batch_size: int = 8
-    """Prompts decoded together (each row accepts on its own)."""
+    batch_size: tuple[int, ...] = (8,)
+    """Prompts decoded together (each row accepts on its own); several (``--batch-size 1 4
+    16``) measure each (the target alone timed once per batch size)."""
     baseline: bool = True
     """Also time the target alone on the same batches (the speedup's denominator)."""
     untrained: bool = False
     """Evaluate the draft the run started from (step 0: its initialisation with the
     run's seed) instead of the trained one: the baseline training is measured against."""
+    json: str | None = None
+    """Also write the results (every configuration, the best k per batch size, the
+    arguments, the draft's step and the device) to this JSON file."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} is outside 1..{MAX_DRAFT_TOKENS} "
-                             "(draft tokens per round); pass e.g. --num-draft-tokens 6")
+        if isinstance(self.num_draft_tokens, int):
+            self.num_draft_tokens = (self.num_draft_tokens,)
+        if isinstance(self.batch_size, int):
+            self.batch_size = (self.batch_size,)
+        for k in self.num_draft_tokens:
+            if not 1 <= k <= MAX_DRAFT_TOKENS:
+                raise ValueError(f"--num-draft-tokens {k} is outside 1..{MAX_DRAFT_TOKENS} "
+                                 "(draft tokens per round); pass e.g. --num-draft-tokens 6")
+        if not self.num_draft_tokens or not self.batch_size:
+            raise ValueError("--num-draft-tokens and --batch-size need at least one value; "
+                             "e.g. --num-draft-tokens 6 --batch-size 8")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"--num-prompts {self.num_prompts} must be >= 1; pass e.g. --num-prompts 8")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1; pass e.g. "
                              "--max-new-tokens 64")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size {self.batch_size} must be >= 1; pass e.g. --batch-size 8")
+        for b in self.batch_size:
+            if b < 1:
+                raise ValueError(f"--batch-size {b} must be >= 1; pass e.g. --batch-size 8")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature {self.temperature} must be a finite number >= 0 "
                              "(0 = greedy); pass e.g. --temperature 0")
@@ -203,7 +218,6 @@ def evaluate(args: EvalArgs) -> dict:
 
     from eagle3fn.io.data import check_data_file
     from eagle3fn.io.target import load_target
-    from eagle3fn.speculative import SpecConfig, evaluate as run_eval
     from eagle3fn.train.checkpoint import initial_params, load_run
 
     if args.prompts is not None:
@@ -224,26 +238,96 @@ def evaluate(args: EvalArgs) -> dict:
         print(f"note: {args.run} has no held-out conversations (eval_holdout=0), so these prompts "
               "come from the end of its training data and the draft was trained on them; "
               "train with --eval-holdout N (or pass --prompts FILE) for an honest number")
-    spec_cfg = SpecConfig(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+    step = 0 if args.untrained else run["step"]
+    where = f"prompts from {source}" if args.prompts is not None else f"{source} prompts"
+    name = f"{'untrained' if args.untrained else 'trained'} draft (step {step})"
+    if len(args.num_draft_tokens) > 1 or len(args.batch_size) > 1:
+        out = _eval_sweep(args, target, tok, run, params, prompts, f"{name}, {len(prompts)} {where}")
+    else:
+        out = _eval_one(args, target, tok, run, params, prompts, f"{name}, {len(prompts)} {where}")
+    out.update(step=step, held_out=held_out)
+    if args.json is not None:
+        _write_json(args, out, target)
+    return out
+
+
+def _eval_one(args: EvalArgs, target, tok, run: dict, params: dict, prompts: list, label: str) -> dict:
+    """One (k, batch size): ``speculative.evaluate``'s dict, printed as two lines."""
+    from eagle3fn.speculative import SpecConfig, evaluate as run_eval
+
+    k, batch = args.num_draft_tokens[0], args.batch_size[0]
+    spec_cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature)
     result = run_eval(target, params, run["draft"], run["d2t"], prompts, spec_cfg, tokenizer=tok,
-                      batch_size=args.batch_size, baseline=args.baseline)
-    step = 0 if args.untrained else run["step"]
+                      batch_size=batch, baseline=args.baseline)
     per_pos = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
-    where = f"prompts from {source}" if args.prompts is not None else f"{source} prompts"
-    print(f"{'untrained' if args.untrained else 'trained'} draft (step {step}), "
-          f"{len(prompts)} {where}, {result['tokens']} tokens: "
-          f"acceptance length {result['acceptance_length']:.2f} (k={args.num_draft_tokens}), "
+    print(f"{label}, {result['tokens']} tokens: "
+          f"acceptance length {result['acceptance_length']:.2f} (k={k}), "
           f"per position [{per_pos}], simulated tau {result['simulated_tau']:.2f}")
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    speed = f"speed ({mode}, batches of {args.batch_size}, {target.model.device}): " \
+    speed = f"speed ({mode}, batches of {batch}, {target.model.device}): " \
             f"{result['tokens_per_s']:.1f} tokens/s with the draft"
     if args.baseline:
         speed += (f", {result['target_tokens_per_s']:.1f} tokens/s target alone: speedup "
-                  f"{result['speedup']:.2f}x; {result['same_as_target']}/{len(prompts)} outputs identical "
-                  "to the target's own")
+                  f"{result['speedup']:.2f}x; "
+                  + (result["identity"] if "identity" in result else
+                     f"{result['same_as_target']}/{len(prompts)} outputs identical to the target's own"))
     print(speed)
-    return {**result, "step": step, "held_out": held_out}
+    return result
+
+
+def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: list, label: str) -> dict:
+    """Every (batch size, k): ``evaluation.sweep``, printed as a table with the best k per
+    batch size, and the acceptance length the training-time per-step accuracy implies
+    (``simulated_acc`` of the target's own greedy texts) beside the measured one."""
+    from eagle3fn.evaluation import implied_acceptance_length, sweep
+    from eagle3fn.speculative import simulated_tau, target_generate, SpecConfig
+
+    if not args.baseline:
+        raise UsageError("--no-baseline with several --num-draft-tokens / --batch-size: a sweep "
+                         "reports speedups, which need the target alone; drop --no-baseline")
+    print(f"{label}: k in {list(args.num_draft_tokens)}, batch sizes {list(args.batch_size)}, "
+          f"{args.max_new_tokens} new tokens each ({target.model.device})")
+    result = sweep(target, params, run["draft"], run["d2t"], prompts, ks=args.num_draft_tokens,
+                   batch_sizes=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, tokenizer=tok)
+    kmax = max(args.num_draft_tokens)
+    alone = target_generate(target, tok, prompts, SpecConfig(max_new_tokens=args.max_new_tokens))
+    device = target.lm_head.weight.device
+    sequences = [torch.cat((p.reshape(-1).to(device), p.new_tensor(a).to(device))) for p, a in zip(prompts, alone)]
+    sim = simulated_tau(target, params, run["draft"], run["d2t"], sequences, [p.numel() for p in prompts], kmax)
+    acc = [float(a) for a in sim.acc]
+    for row in result["rows"]:
+        row["implied_acceptance_length"] = implied_acceptance_length(acc, row["k"])
+    print(f"  {'batch':>5} {'k':>3} {'acceptance length':>18} {'implied':>8} {'tokens/s':>10} "
+          f"{'target alone':>13} {'speedup':>8}")
+    for row in result["rows"]:
+        mark = " <- best k" if result["best"][row["batch_size"]] is row else ""
+        print(f"  {row['batch_size']:>5} {row['k']:>3} {row['acceptance_length']:>18.2f} "
+              f"{row['implied_acceptance_length']:>8.2f} {row['tokens_per_s']:>10.1f} "
+              f"{row['target_tokens_per_s']:>13.1f} {row['speedup']:>7.2f}x{mark}")
+    if args.temperature == 0:
+        print("  every configuration: " + "; ".join(sorted({r["identity"] for r in result["rows"]})))
+    per_step = ", ".join(f"{a:.2f}" for a in acc)
+    print(f"  training-time per-step accuracy on the target's own greedy texts: [{per_step}] "
+          f"(implied = 1 + sum_j prod_(i<=j) acc_i)")
+    return {**result, "best": {str(b): r for b, r in result["best"].items()}, "simulated_acc": acc}
+
+
+def _write_json(args: EvalArgs, out: dict, target) -> None:
+    """``out`` with the arguments and the device, to ``args.json`` (atomically)."""
+    import dataclasses
+    import json
+    import os
+
+    device = target.lm_head.weight.device
+    record = {"args": dataclasses.asdict(args), "device": str(device),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "dtype": str(target.lm_head.weight.dtype), "result": out}
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    os.replace(tmp, args.json)
 
 
 def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
@@ -270,7 +354,7 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
             (f"trained (step {trained['step']})", f"{base} --max-new-tokens {max_new_tokens}", trained)]
     kind = "held-out" if trained["held_out"] else "trained-on"
     print(f"\nspeculative decoding on {trained['n_prompts']} {kind} prompts (greedy, "
-          f"k={EvalArgs.num_draft_tokens} draft tokens per round, KV caches, batches of {EvalArgs.batch_size}):")
+          f"k={EvalArgs.num_draft_tokens[0]} draft tokens per round, KV caches, batches of {EvalArgs.batch_size[0]}):")
     print(f"  {'draft':<20} {'new tokens':>12} {'acceptance length':>19} {'simulated tau':>15} "
           f"{'tokens/s':>10} {'speedup':>9}   reproduce with")
     for name, command, r in rows:

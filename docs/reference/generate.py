@@ -45,6 +45,8 @@ def type_name(tp) -> str:
         return " | ".join(type_name(a) for a in args)
     if origin is not None:
         return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
+    if tp is Ellipsis:
+        return "..."
     return "None" if tp is type(None) else tp.__name__
 
 

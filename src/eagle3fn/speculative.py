@@ -60,6 +60,7 @@ from torch import nn
 from eagle3fn.align import supervised_mask
 from eagle3fn.decoding.graphs import Graphed
 from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, elementwise, rope_cos_sin
+from eagle3fn.evaluation.identity import check_identity
 from eagle3fn.io.target import TargetModel, target_features
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
@@ -1229,8 +1230,9 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         prompts + generated texts (``simulated_tau``). With ``baseline``:
         ``target_seconds``, ``target_tokens_per_s`` (the target alone, its own tokens),
         ``speedup`` (tokens/s with the draft over tokens/s alone) and ``same_as_target``
-        (prompts whose two outputs are identical; all of them when greedy, up to
-        argmax near-ties in low precision).
+        (prompts whose two outputs are identical). Greedy: ``identity`` (one line) and
+        ``near_ties``; every difference must be an argmax near-tie of the target
+        (``evaluation.check_identity``), else ``OutputMismatch`` is raised.
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -1264,6 +1266,9 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         out.update(target_seconds=target_seconds, target_tokens_per_s=target_tps,
                    speedup=out["tokens_per_s"] / target_tps,
                    same_as_target=sum(a == r.tokens for a, r in zip(alone, results)))
+        if cfg.temperature == 0:  # raises OutputMismatch unless every difference is a near-tie
+            report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
+            out.update(identity=report.line(), near_ties=len(report.near_ties))
     sequences = [torch.cat((p, p.new_tensor(r.tokens))) for p, r in zip(prompts, results)]
     sim = simulated_tau(target, draft_params, draft_cfg, d2t, sequences,
                         [p.numel() for p in prompts], cfg.num_draft_tokens)

@@ -1,0 +1,99 @@
+"""Speculative decoding over a grid of k (draft tokens per round) and batch sizes.
+
+For each batch size ``b`` the prompts are decoded in batches of ``b`` by the target
+alone (the speedup's denominator, timed once per ``b``) and, for each ``k``, by
+speculative decoding (``speculative.generate``), each timed after one untimed warm-up
+batch (CUDA context, allocator blocks and graph recordings are not charged to the
+first timed configuration). Greedy outputs are held to the target alone's
+(``identity.check_identity``) in every configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from eagle3fn.evaluation.identity import check_identity
+
+
+def implied_acceptance_length(acc: Sequence[float], k: int) -> float:
+    """``1 + sum_{j<k} prod_{i<=j} acc_i``: the acceptance length of a chain of ``k``
+    draft tokens if draft token ``j + 1`` were accepted with probability ``acc_j``
+    (the training-time per-step top-1 agreement), independently of the others."""
+    out, run = 1.0, 1.0
+    for a in list(acc)[:k]:
+        run *= float(a)
+        out += run
+    return out
+
+
+def _timed(device: torch.device, fn: Callable[[], list]) -> tuple[list, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.Tensor,
+          prompts: Sequence[torch.Tensor], *, ks: Sequence[int], batch_sizes: Sequence[int],
+          max_new_tokens: int, temperature: float = 0.0, seed: int = 0, tokenizer=None,
+          impl: str | None = None, warmup: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Acceptance and speedup for every ``(batch size, k)``.
+
+    Args:
+        target: ``io.target.load_target``'s model; draft_params (embed included),
+            draft_cfg, d2t: the draft, as ``speculative.generate`` takes them.
+        prompts: int64 ``[L_i]`` or ``[1, L_i]`` each.
+        ks, batch_sizes: the grid (each >= 1).
+        impl: ``speculative.generate``'s implementation (None: its default).
+
+    Returns ``{"rows": [...], "best": {b: row}}``; each row has ``batch_size``, ``k``,
+    ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
+    ``tokens``, ``seconds``, ``tokens_per_s``, ``target_tokens_per_s``, ``speedup`` and
+    (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k.
+    """
+    from eagle3fn.speculative import SpecConfig, acceptance_stats, generate, target_generate
+
+    device = target.lm_head.weight.device
+    prompts = [p.reshape(-1).to(device) for p in prompts]
+    rows, best = [], {}
+    for b in batch_sizes:
+        batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+        base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed)
+        if warmup:
+            target_generate(target, tokenizer, batches[0], base_cfg)
+        alone, alone_s = _timed(device, lambda: [t for batch in batches
+                                                 for t in target_generate(target, tokenizer, batch, base_cfg)])
+        alone_tps = sum(map(len, alone)) / alone_s
+        for k in ks:
+            cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                             temperature=temperature, seed=seed)
+            run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
+                                         impl=impl)
+            if warmup:
+                run(batches[0])
+            results, seconds = _timed(device, lambda: [r for batch in batches for r in run(batch)])
+            counts = [n for r in results for n in r.accepted_per_round]
+            length, per_position = acceptance_stats(counts, k)
+            tokens = sum(len(r.tokens) for r in results)
+            row = {"batch_size": b, "k": k, "acceptance_length": length,
+                   "per_position_acceptance": per_position, "rounds": len(counts), "tokens": tokens,
+                   "seconds": seconds, "tokens_per_s": tokens / seconds,
+                   "target_seconds": alone_s, "target_tokens_per_s": alone_tps,
+                   "speedup": tokens / seconds / alone_tps}
+            if temperature == 0:
+                report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
+                row.update(identical=report.identical, near_ties=len(report.near_ties),
+                           identity=report.line())
+            rows.append(row)
+            log(f"  batch {b:>3} k {k}: acceptance length {length:.2f}, {row['tokens_per_s']:.1f} tokens/s, "
+                f"target alone {alone_tps:.1f}: speedup {row['speedup']:.2f}x"
+                + (f"; {row['identity']}" if "identity" in row else ""))
+        best[b] = max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
+    return {"rows": rows, "best": best}

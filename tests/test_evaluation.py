@@ -1,0 +1,127 @@
+"""``eagle3fn.evaluation``: the greedy output check, the (k, batch size) sweep, and the
+acceptance length implied by training-time accuracy.
+
+Oracles: transformers' own greedy forward (identity), ``speculative.evaluate`` for one
+configuration (sweep), brute-force enumeration of acceptance patterns (implied length).
+Controls: a corrupted speculative output where the target is not in doubt is raised; a
+difference at an exact tie is not; a sweep whose greedy rounds depended on the batch
+size would be caught by comparing batch sizes.
+"""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from eagle3fn.evaluation import OutputMismatch, check_identity, implied_acceptance_length, sweep
+from eagle3fn.speculative import SpecConfig, evaluate, target_generate
+from test_speculative import make_draft, make_target
+from test_train import workdir  # noqa: F401 - the tiny target + data fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9], [44, 12], [3, 8, 8])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def prompts():
+    return [torch.tensor(p) for p in PROMPTS]
+
+
+def test_identity_passes_identical_and_raises_a_real_difference(target):
+    alone = target_generate(target, None, prompts(), SpecConfig(max_new_tokens=6))
+    report = check_identity(target.model, prompts(), alone, alone)
+    assert report.identical == len(PROMPTS) and not report.near_ties
+    assert report.line() == f"{len(PROMPTS)}/{len(PROMPTS)} outputs identical to the target's own"
+    wrong = [list(a) for a in alone]
+    logits = target.model(input_ids=torch.tensor([PROMPTS[1] + wrong[1][:2]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])  # the runner-up: a clear gap in fp64
+    wrong[1][2] = second
+    with pytest.raises(OutputMismatch, match=r"prompt 1: .* at new token 2 .*not a near-tie"):
+        check_identity(target.model, prompts(), alone, wrong)
+    early = [list(a) for a in alone]
+    early[0] = early[0][:3]
+    with pytest.raises(OutputMismatch, match="stops early at token 3"):
+        check_identity(target.model, prompts(), alone, early)
+
+
+class _Tied(torch.nn.Module):
+    """Logits equal for tokens 1 and 2 (an exact tie) and lower elsewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
+
+    def forward(self, input_ids, logits_to_keep=1):
+        z = torch.full((1, 1, 8), -5.0)
+        z[..., 1] = z[..., 2] = 3.0
+        return type("Out", (), {"logits": z})()
+
+
+def test_identity_reports_a_near_tie_and_its_tolerance():
+    report = check_identity(_Tied(), [torch.tensor([4])], [[0, 1, 5]], [[0, 2, 6]])
+    assert report.identical == 0 and len(report.near_ties) == 1
+    d = report.near_ties[0]
+    assert (d.prompt, d.position, d.target_token, d.spec_token, d.gap) == (0, 1, 1, 2, 0.0)
+    assert "1 diverging at an argmax near-tie" in report.line()
+    with pytest.raises(OutputMismatch):  # control: 1 vs 5 is a gap of 8
+        check_identity(_Tied(), [torch.tensor([4])], [[0, 1, 5]], [[0, 5, 6]])
+
+
+@pytest.mark.parametrize("acc", [[0.9, 0.5, 0.25], [1.0, 0.0, 1.0], [0.3, 0.8, 0.6, 0.1]])
+def test_implied_length_is_the_expected_length_of_independent_accepts(acc):
+    for k in range(len(acc) + 1):
+        expected = 0.0  # brute force over which draft tokens would be accepted
+        for pattern in itertools.product([0, 1], repeat=k):
+            p = 1.0
+            for a, x in zip(acc, pattern):
+                p *= a if x else 1 - a
+            run = next((i for i, x in enumerate(pattern) if not x), k)
+            expected += p * (run + 1)
+        assert implied_acceptance_length(acc, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_sweep_matches_evaluate_per_configuration(target):
+    params, cfg, d2t = make_draft(target, dtype=torch.float64)
+    out = sweep(target, params, cfg, d2t, prompts(), ks=(1, 3), batch_sizes=(1, 2, 5),
+                max_new_tokens=8, log=lambda s: None)
+    rows = out["rows"]
+    assert [(r["batch_size"], r["k"]) for r in rows] == [(b, k) for b in (1, 2, 5) for k in (1, 3)]
+    for k in (1, 3):
+        one = evaluate(target, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=k, max_new_tokens=8),
+                       batch_size=2)
+        same_k = [r for r in rows if r["k"] == k]
+        for r in same_k:  # greedy rounds do not depend on the batch: the same counts at every size
+            assert r["acceptance_length"] == one["acceptance_length"]
+            assert r["per_position_acceptance"] == one["per_position_acceptance"]
+            assert r["rounds"] == one["rounds"] and r["tokens"] == one["tokens"]
+            assert r["identical"] == len(PROMPTS) and r["near_ties"] == 0
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["target_tokens_per_s"])
+    for b in (1, 2, 5):
+        assert out["best"][b] is max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
+
+
+def test_eval_cli_sweep_prints_a_table_and_writes_json(workdir, tmp_path, capsys):  # noqa: F811
+    from eagle3fn.cli.main import main
+    from eagle3fn.train import train
+    from test_train import config
+
+    out = tmp_path / "run"
+    train(config(workdir, out, max_steps=1), log=lambda s: None)
+    capsys.readouterr()
+    path = tmp_path / "eval.json"
+    main(["eval", "--run", str(out), "--prompts", str(workdir / "chat.jsonl"), "--num-prompts", "2",
+          "--max-new-tokens", "4", "--num-draft-tokens", "1", "2", "--batch-size", "1", "2",
+          "--json", str(path)])
+    printed = capsys.readouterr().out
+    assert printed.count("<- best k") == 2 and "implied" in printed
+    assert "every configuration: 2/2 outputs identical to the target's own" in printed
+    record = json.loads(path.read_text())
+    rows = record["result"]["rows"]
+    assert len(rows) == 4 and record["args"]["num_draft_tokens"] == [1, 2]
+    assert set(record["result"]["best"]) == {"1", "2"}
+    assert all(1.0 <= r["implied_acceptance_length"] <= 1 + r["k"] for r in rows)
