@@ -32,12 +32,13 @@ class SynthConfig:
     max_prompt_tokens: int = 256
     """Tokens per sampled user turn at most; a user turn cut there is dropped
     ('truncated_prompt')."""
-    prompt_temperature: float = 1.0
-    """User turns: sampling temperature (Magpie samples at 1.0: the target's own
-    distribution of user messages)."""
-    prompt_top_p: float = 0.95
-    """User turns: nucleus threshold (0.95 drops the rarest 5% of the mass, the source
-    of most broken prompts, at little cost to diversity)."""
+    prompt_temperature: float = 0.8
+    """User turns: sampling temperature (Magpie samples at 1.0, the target's own
+    distribution of user messages; a small target then rambles past the token limit
+    more often: docs/how-to/make-training-data.md)."""
+    prompt_top_p: float = 0.9
+    """User turns: nucleus threshold (drops the rarest tenth of the mass, the source of
+    most broken user turns; duplicates are filtered)."""
     seed: int = 0
     """Base seed; request seeds are derived from it, the conversation index and the turn."""
     system_prompts: str | None = None
