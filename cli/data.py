@@ -288,7 +288,7 @@ def _info(path: str) -> None:
 @dataclass(kw_only=True)
 class RegenerateArgs:
     """Rewrite every assistant turn of chat data with the target (prompts kept), JSONL out:
-    eagle3fn synthesize --prompts under its old name (resumable: rerun the same command)."""
+    eagle3fn synthesize with given prompts, under its old name (resumable: rerun the same command)."""
 
     model: ModelSource
     """The target."""
