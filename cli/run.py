@@ -108,6 +108,15 @@ class EvalArgs:
 
     run: str = "runs/eagle3fn"
     """The training run's out_dir."""
+    draft: str | None = None
+    """Evaluate this EAGLE-3 draft directory instead of a run: SpecForge's save_pretrained
+    of LlamaForCausalLMEagle3, an EAGLE-3 release (pytorch_model.bin) or ``eagle3fn
+    export`` output (``eagle3fn.io.import_draft``); needs --model and --prompts."""
+    model: str | None = None
+    """The target the --draft was trained for (a local HF model directory)."""
+    aux_layer_ids: tuple[int, int, int] | None = None
+    """With --draft: the target layers it was trained on (default: what its config.json
+    records, else the target's default [1, N//2-1, N-4], SpecForge's)."""
     prompts: str | None = None
     """Chat JSONL to take the prompts from (the turns before each conversation's first
     assistant turn, rendered with the target's chat template); default: the run's
@@ -157,6 +166,11 @@ class EvalArgs:
         for b in self.batch_size:
             if b < 1:
                 raise ValueError(f"--batch-size {b} must be >= 1; pass e.g. --batch-size 8")
+        if self.draft is not None and (self.model is None or self.prompts is None or self.untrained):
+            raise ValueError(f"--draft {self.draft} needs --model (its target) and --prompts (a chat JSONL: "
+                             "an imported draft has no held-out conversations), and takes no --untrained")
+        if self.draft is None and (self.model is not None or self.aux_layer_ids is not None):
+            raise ValueError("--model and --aux-layer-ids go with --draft DIR; a run (--run) records its own")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature {self.temperature} must be a finite number >= 0 "
                              "(0 = greedy); pass e.g. --temperature 0")
@@ -222,7 +236,12 @@ def evaluate(args: EvalArgs) -> dict:
 
     if args.prompts is not None:
         check_data_file(args.prompts)
-    run = load_run(args.run)
+    if args.draft is not None:
+        from eagle3fn.io.import_draft import as_run
+
+        run = as_run(args.draft, args.model, aux_layer_ids=args.aux_layer_ids)
+    else:
+        run = load_run(args.run)
     cfg = run["config"]
     kwargs = _run_target(cfg, weights=True, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(cfg["model"], **kwargs)
