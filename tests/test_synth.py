@@ -322,3 +322,32 @@ def test_cli_refuses_bad_flags_before_loading(tmp_path, monkeypatch, capsys, arg
         main(["synthesize", "--model.path", str(tmp_path / "no-model"), "--out", "o.jsonl", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_sigterm_stops_after_the_chunk_and_the_rerun_completes_the_same_file(tmp_path, tok, model):
+    """A real SIGTERM to this process in the middle of a chunk: the chunk's lines are
+    written, ``Stopped`` (exit 143) is raised, and the rerun ends with the uninterrupted
+    file. Control: without the signal the first run does not stop."""
+    from eagle3fn.io.stop import Stopped
+
+    cfg = SynthConfig(num_conversations=7, **TINY)
+    whole = tmp_path / "whole.jsonl"
+    run(whole, tok, EngineBackend(model, tok, batch_size=4), cfg)
+
+    class Term(EngineBackend):
+        calls = 0
+
+        def __call__(self, requests):
+            Term.calls += 1
+            if Term.calls == 3:  # inside the second chunk
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield from super().__call__(requests)
+
+    cut = tmp_path / "cut.jsonl"
+    with pytest.raises(Stopped) as stopped:
+        run(cut, tok, Term(model, tok, batch_size=4), cfg)
+    assert stopped.value.exit_code == 143 and "rerun the same command to resume" in str(stopped.value)
+    assert 0 < len(lines(cut)) < 7
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    run(cut, tok, EngineBackend(model, tok, batch_size=4), cfg)
+    assert cut.read_text() == whole.read_text()

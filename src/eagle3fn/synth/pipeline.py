@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from eagle3fn.errors import RunError
+from eagle3fn.io.stop import graceful_stop
 from eagle3fn.synth.backends import Backend, Completion, Request
 from eagle3fn.synth.config import DEFAULT_CONVERSATIONS, SynthConfig
 from eagle3fn.synth.filters import PromptFilter, turn_reason
@@ -173,43 +174,55 @@ class Synthesizer:
                 bar.set_postfix_str(f"{self.tokens / max(now - t0, 1e-9):.0f} tok/s")
                 shown[0] = now
 
-        try:
-            while kept < target:
-                # No more than the conversations still missing, over the share kept so
-                # far (a half before any is known; all for given prompts), a tenth more:
-                # chunking does not change any conversation's content.
-                tried = len(store.done)
-                share = 1.0 if given is not None else (max(kept / tried, 0.1) if tried else 0.5)
-                size = min(self.commit_every, math.ceil(1.1 * (target - kept) / share))
-                chunk = [i for _, i in zip(range(size), todo)]
-                if not chunk:
-                    break
-                convs = [new_conv(i, given, systems) for i in chunk]
-                self.run_chunk(convs, prompts, tick)
-                for c in convs:
-                    if kept == target:
-                        break
-                    if c.reason is None:
-                        store.keep(c.index, c.messages, c.tools, truncated=c.truncated)
-                        store.done[c.index] = {}
-                        kept += 1
-                    else:
-                        store.reject(c.index, c.reason, c.messages)
-                        store.done[c.index] = {"reason": c.reason}
+        with graceful_stop(unit="chunk of conversations") as stop:
+            try:
+                kept = self._write_chunks(store, prompts, given, systems, todo, tick, bar, t0,
+                                          kept=kept, start=start, target=target, stop=stop)
+            finally:
                 if bar is not None:
-                    rate = self.tokens / max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-                    bar.update(kept - bar.n)
-                else:
-                    spent = time.perf_counter() - t0
-                    eta = spent / max(kept - start, 1) * (target - kept)
-                    self.log(f"{kept}/{target} conversations kept, {len(store.done)} tried, "
-                             f"{self.tokens / max(spent, 1e-9):.0f} tok/s, elapsed {spent:.0f} s, ETA {eta:.0f} s")
-        finally:
-            if bar is not None:
-                bar.close()
+                    bar.close()
         return build_report(out, target=target, tokens=self.tokens, seconds=time.perf_counter() - t0,
                             settings=settings, given=given is not None)
+
+    def _write_chunks(self, store, prompts, given, systems, todo, tick, bar, t0, *, kept: int, start: int,
+                      target: int, stop) -> int:
+        """Generate and write chunks until ``target`` conversations are kept; after each
+        chunk's lines are written, a SIGTERM / SIGINT raises ``io.stop.Stopped`` (the rerun
+        resumes there). Returns the conversations kept."""
+        while kept < target:
+            # No more than the conversations still missing, over the share kept so
+            # far (a half before any is known; all for given prompts), a tenth more:
+            # chunking does not change any conversation's content.
+            tried = len(store.done)
+            share = 1.0 if given is not None else (max(kept / tried, 0.1) if tried else 0.5)
+            size = min(self.commit_every, math.ceil(1.1 * (target - kept) / share))
+            chunk = [i for _, i in zip(range(size), todo)]
+            if not chunk:
+                break
+            convs = [new_conv(i, given, systems) for i in chunk]
+            self.run_chunk(convs, prompts, tick)
+            for c in convs:
+                if kept == target:
+                    break
+                if c.reason is None:
+                    store.keep(c.index, c.messages, c.tools, truncated=c.truncated)
+                    store.done[c.index] = {}
+                    kept += 1
+                else:
+                    store.reject(c.index, c.reason, c.messages)
+                    store.done[c.index] = {"reason": c.reason}
+            if bar is not None:
+                rate = self.tokens / max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+                bar.update(kept - bar.n)
+            else:
+                spent = time.perf_counter() - t0
+                eta = spent / max(kept - start, 1) * (target - kept)
+                self.log(f"{kept}/{target} conversations kept, {len(store.done)} tried, "
+                         f"{self.tokens / max(spent, 1e-9):.0f} tok/s, elapsed {spent:.0f} s, ETA {eta:.0f} s")
+            if stop.requested and kept < target:
+                raise stop.stopped(f"{kept} of {target} conversations kept")
+        return kept
 
 
 def _bar(total: int, start: int, live: bool | None):
