@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from recorders import WORDS, save_tiny_target, write_tiny_chat
+from test_hostile_cache import cli  # the real CLI entry in process: (exit code, stdout, stderr)
 
 from eagle3fn.cli.main import main
 
@@ -35,16 +36,6 @@ def workdir(tmp_path_factory, no_gpu):
     save_tiny_target(d / "model")
     write_tiny_chat(d / "chat.jsonl", 4)
     return d
-
-
-def cli(capsys, argv):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def clean_refusal(code, out, err, *needles):
