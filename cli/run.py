@@ -145,6 +145,10 @@ class EvalArgs:
     json: str | None = None
     """Also write the results (every configuration, the best k per batch size, the
     arguments, the draft's step and the device) to this JSON file."""
+    device: str = "auto"
+    """Where the target and the draft run (auto: cuda when a GPU is visible, else cpu)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The target's and the draft's dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, int):
@@ -231,6 +235,7 @@ def evaluate(args: EvalArgs) -> dict:
     from transformers import AutoTokenizer
 
     from eagle3fn.io.data import check_data_file
+    from eagle3fn.io.device import default_dtype, resolve_device
     from eagle3fn.io.target import load_target
     from eagle3fn.train.checkpoint import initial_params, load_run
 
@@ -250,7 +255,10 @@ def evaluate(args: EvalArgs) -> dict:
     else:
         prompts, held_out = _prompts(run, tok, args.num_prompts)
         source = "held-out" if held_out else "trained-on"
-    target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], **kwargs)
+    device = resolve_device(args.device)
+    dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], device=device, dtype=dtype,
+                         **kwargs)
     trainable = initial_params(run, target) if args.untrained else run["params"]
     params = {**trainable, "embed_tokens.weight": target.embed_tokens.float()}
     if not held_out:
