@@ -260,7 +260,8 @@ def evaluate(args: EvalArgs) -> dict:
     target = load_target(cfg["model"], aux_layer_ids=run["aux_layer_ids"], device=device, dtype=dtype,
                          **kwargs)
     trainable = initial_params(run, target) if args.untrained else run["params"]
-    params = {**trainable, "embed_tokens.weight": target.embed_tokens.float()}
+    params = {name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+              for name, t in {**trainable, "embed_tokens.weight": target.embed_tokens}.items()}
     if not held_out:
         print(f"note: {args.run} has no held-out conversations (eval_holdout=0), so these prompts "
               "come from the end of its training data and the draft was trained on them; "
