@@ -96,7 +96,11 @@ Measured per run (JSON ``results`` rows; ``methods`` in the JSON says the same):
   window (the loop reads a shard while the device is idle after the previous step's
   sync, so this is the device's wait).
 - ``vs_specforge``: ``tokens_per_s`` over the SpecForge loop's of the same loop kind
-  (online runs against online SpecForge; offline against offline, else online).
+  (online runs against online SpecForge; offline against offline, else online) at its
+  steady state (``--specforge-shapes steady``: every batch padded to ``--max-length``,
+  so its compiled functions compile once and never again; the padding is masked, the
+  maths unchanged); ``vs_specforge_shipped`` against SpecForge as shipped (batches
+  padded to their longest: a recompilation per new length inside the window).
 
 Where the warm-up and the host time go (these options run on the CPU too):
 
@@ -214,6 +218,11 @@ class BenchArgs:
     ``<mode>+pack``)."""
     specforge: bool = True
     """Also run the SpecForge 0.2.0 loop for each loop kind (after the eagle3fn runs)."""
+    specforge_shapes: tuple[Literal["steady", "shipped"], ...] = ("steady", "shipped")
+    """How SpecForge's batches are shaped: ``steady`` every batch padded to
+    ``--max-length`` (one shape: its compiled functions compile once; the ratios
+    ``vs_specforge`` are against this one), ``shipped`` padded to each batch's longest as
+    its collator does (a recompilation per new length; ``vs_specforge_shipped``)."""
     steps: int = 80
     """Optimizer steps per run; the data is ``steps * batch_size`` conversations, one epoch."""
     warmup_steps: int = 20
@@ -514,16 +523,19 @@ def eagle3fn_row(bench: Bench, loop: str, mode: str, cache: Path, pack: bool = F
     return row
 
 
-def specforge_row(bench: Bench, loop: str, counter: RecompileCounter, d2t, t2d) -> dict:
-    """The SpecForge loop of this kind in this process, summarised (``error`` when it
+def specforge_row(bench: Bench, loop: str, counter: RecompileCounter, d2t, t2d, shapes: str) -> dict:
+    """The SpecForge loop of this kind in this process with its batches shaped as
+    ``shapes`` says (``BenchArgs.specforge_shapes``), summarised (``error`` when it
     failed, e.g. out of memory)."""
-    row = {"loop": loop, "mode": "specforge", "command": "in process (specforge_loop)"}
+    row = {"loop": loop, "mode": "specforge" if shapes == "steady" else "specforge-shipped",
+           "command": f"in process (specforge_loop, {shapes} shapes)"}
     sampler = GpuSampler(bench.gpu, bench.args.smi_period_ms) if bench.gpu is not None else None
     launched = time.time()
     try:
         steps = specforge_loop(bench.shape, bench.model_dir, bench.batches, offline=loop == "offline",
                                device=bench.device, ttt_length=bench.args.ttt_length, d2t=d2t, t2d=t2d,
-                               recompiles=counter, lr=bench.args.lr)
+                               recompiles=counter, lr=bench.args.lr,
+                               pad_to=bench.args.max_length if shapes == "steady" else None)
         row.update(summarise(steps, warmup=bench.args.warmup_steps, launched=launched,
                              ceiling_tflops=bench.ceiling, floors=bench.floors[loop]),
                    batches_match=True, recompile_examples=list(counter.examples))
@@ -591,7 +603,8 @@ def main(args: BenchArgs) -> dict:
         d2t, t2d = vocab_map_from_examples(bench.examples, bench.shape.vocab, bench.shape.draft_vocab)
         try:
             for loop in args.loops:
-                add(specforge_row(bench, loop, counter, d2t.to(bench.device), t2d.to(bench.device)))
+                for shapes in args.specforge_shapes:
+                    add(specforge_row(bench, loop, counter, d2t.to(bench.device), t2d.to(bench.device), shapes))
         finally:
             counter.close()
             for k, v in saved.items():
@@ -600,11 +613,12 @@ def main(args: BenchArgs) -> dict:
                 else:
                     os.environ[k] = v
             shutil.rmtree(bench.work / "compile", ignore_errors=True)
-    base = {r["loop"]: r["tokens_per_s"] for r in report["results"] if r["mode"] == "specforge" and "error" not in r}
-    for r in report["results"]:
-        ref = base.get(r["loop"], base.get("online"))
-        if "tokens_per_s" in r and ref:
-            r["vs_specforge"] = round(r["tokens_per_s"] / ref, 3)
+    for mode, key in (("specforge", "vs_specforge"), ("specforge-shipped", "vs_specforge_shipped")):
+        base = {r["loop"]: r["tokens_per_s"] for r in report["results"] if r["mode"] == mode and "error" not in r}
+        for r in report["results"]:
+            ref = base.get(r["loop"], base.get("online"))
+            if "tokens_per_s" in r and ref:
+                r[key] = round(r["tokens_per_s"] / ref, 3)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(run_metadata(resolved), **report), indent=1))
     table(report)
@@ -623,18 +637,20 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(report: dict) -> None:
-    """The results table, printed last."""
+    """The results table, printed last (``vs SF``: against SpecForge at its steady state,
+    ``vs SF*``: against SpecForge as shipped)."""
     d = report["data"]
     print(f"\n{report['shape']['name']}: {d['conversations']} conversations, {d['assistant_share']:.1%} assistant "
           f"tokens ({d['profile']}), mean {d['mean_length']:.0f} tokens; matmul {report['ceiling_tflops']:.3g} TFLOP/s")
-    head = (f"{'loop':>8} {'mode':>10} {'tok/s':>9} {'vs SF':>6} {'ms/step':>8} {'warm-up s':>9} {'startup s':>9} "
+    head = (f"{'loop':>8} {'mode':>17} {'tok/s':>9} {'vs SF':>6} {'vs SF*':>6} {'ms/step':>8} {'warm-up s':>9} {'startup s':>9} "
             f"{'pad %':>6} {'recomp':>6} {'busy %':>6} {'peak GiB':>8} {'dense fl':>8} {'trim fl':>8} {'wait %':>6}")
     print(head)
     for r in report["results"]:
         if "error" in r:
-            print(f"{r['loop']:>8} {r['mode']:>10} failed: {r['error'].splitlines()[0][:80]}")
+            print(f"{r['loop']:>8} {r['mode']:>17} failed: {r['error'].splitlines()[0][:80]}")
             continue
-        print(f"{r['loop']:>8} {r['mode']:>10} {r['tokens_per_s']:>9.0f} {_fmt(r.get('vs_specforge'), '.2f'):>6} "
+        print(f"{r['loop']:>8} {r['mode']:>17} {r['tokens_per_s']:>9.0f} {_fmt(r.get('vs_specforge'), '.2f'):>6} "
+              f"{_fmt(r.get('vs_specforge_shipped'), '.2f'):>6} "
               f"{_fmt(r['ms_per_step_median'], '.1f'):>8} {r['warmup_s']:>9.1f} {r['startup_s']:>9.1f} "
               f"{100 * r['padding_frac']:>6.1f} {r['recompiles_after_warmup']:>6} "
               f"{_fmt(r.get('gpu_busy_pct'), '.0f'):>6} {_fmt(r['peak_gib'], '.2f'):>8} "

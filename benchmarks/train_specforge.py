@@ -67,14 +67,31 @@ def capture(model, decoder, layers: list[int], input_ids, attention_mask):
     return torch.cat([captured[i] for i in layers], dim=-1), out
 
 
+def pad_batch(batch: dict, pad_to: int | None) -> dict:
+    """``collate``'s batch (``[B, S]`` each) right-padded to ``[B, pad_to]`` (id 0, masks
+    0): SpecForge's steady state. Its compiled functions (flex attention, the loss)
+    recompile on every new sequence length; one fixed length compiles once, and the
+    padding is masked, so the maths is unchanged (the work grows by the padding).
+    None: as shipped, padded to the batch's longest."""
+    import torch
+
+    if pad_to is None:
+        return batch
+    B, S = batch["input_ids"].shape
+    if S > pad_to:
+        raise ValueError(f"a batch of {S} tokens does not fit pad_to={pad_to}")
+    return {k: torch.cat((v, v.new_zeros(B, pad_to - S)), 1) for k, v in batch.items()}
+
+
 class SpecForgeLoop:
     """SpecForge 0.2.0's training step on ``batches`` in order (module docstring): the
     target (online) or the captured features and the head (offline), its draft,
     ``OnlineEagle3Model`` and ``BF16Optimizer``. ``step(i)`` trains on batch i and
-    returns its real tokens."""
+    returns its real tokens. ``pad_to``: every batch padded to this length (``pad_batch``:
+    the steady state), None as shipped."""
 
     def __init__(self, shape: Shape, model_dir: Path, batches: list[list], *, offline: bool, device: str,
-                 ttt_length: int, d2t, t2d, lr: float) -> None:
+                 ttt_length: int, d2t, t2d, lr: float, pad_to: int | None = None) -> None:
         import torch
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.optimizer import BF16Optimizer
@@ -95,7 +112,7 @@ class SpecForgeLoop:
                                        attention_backend="flex_attention" if cuda else "sdpa")
         self.model.train()
         self.opt = BF16Optimizer(self.draft, lr=lr, max_grad_norm=0.5, total_steps=len(batches), warmup_ratio=0.015)
-        self.inputs = [collate(b, 0) for b in batches]
+        self.inputs = [pad_batch(collate(b, 0), pad_to) for b in batches]
         self.stored = []
         if offline:  # capture once, keep on the host, drop the target but its head
             with torch.no_grad():
@@ -134,15 +151,16 @@ class SpecForgeLoop:
 
 
 def specforge_loop(shape: Shape, model_dir: Path, batches: list[list], *, offline: bool, device: str,
-                   ttt_length: int, d2t, t2d, recompiles: RecompileCounter, lr: float) -> list[dict]:
-    """``SpecForgeLoop`` over every batch: per step records as ``_step_record``'s. On
-    the CPU dynamo is off (a functional check; its compiled helpers would take longer
-    to build than the steps)."""
+                   ttt_length: int, d2t, t2d, recompiles: RecompileCounter, lr: float,
+                   pad_to: int | None = None) -> list[dict]:
+    """``SpecForgeLoop`` over every batch (``pad_to`` as there): per step records as
+    ``_step_record``'s. On the CPU dynamo is off (a functional check; its compiled
+    helpers would take longer to build than the steps)."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
     loop = SpecForgeLoop(shape, model_dir, batches, offline=offline, device=device, ttt_length=ttt_length,
-                         d2t=d2t, t2d=t2d, lr=lr)
+                         d2t=d2t, t2d=t2d, lr=lr, pad_to=pad_to)
     records, base = [], (recompiles.count, recompiles.limit_hits, recompiles.graphs())
     with torch._dynamo.config.patch(disable=not cuda):
         for i, b in enumerate(loop.inputs):
