@@ -7,11 +7,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # What deterministic cuBLAS needs on CUDA >= 10.2 (tests/test_gpu.py); no effect on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# Under pytest-xdist (the suite runs on as many workers as cores) each worker and the
+# processes it starts compute on one thread: a second thread per worker would only
+# contend for the same cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 settings.register_profile("ci", deadline=None, max_examples=200, derandomize=True)
 settings.load_profile("ci")
 

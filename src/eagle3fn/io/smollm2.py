@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,8 +47,18 @@ def smollm2_path(log=print) -> Path:
         del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(quantised.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
+    # A directory of this process's own, renamed into place: two processes converting at
+    # once (two runs, parallel tests) each write whole files, and the first rename wins.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first (or left an incomplete directory)
+            if not ((out / "config.json").exists() and (out / "model.safetensors").exists()):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
