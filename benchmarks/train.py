@@ -130,11 +130,7 @@ Where the warm-up and the host time go (these options run on the CPU too):
   GBs (on the CPU, an ``aot_eager`` compile of 1.4 s took 40 s under it, then 77 s
   to export: 2.3 M events, 660 MB of JSON, 41 MB gzipped), so profile step 1 with
   stacks only for a small compile, and read it from ``first_steps`` otherwise.
-- ``compile_log``: the run's log lines starting with ``precompile:`` or
-  ``compiling:``; ``precompile_s`` / ``precompile_wait_s`` parse ``compiled in X s``
-  / ``waited Y s`` from the precompile line (null without one). Compare runs by
-  ``to_steady_s`` (launch to steady state): compiling during the load moves time from
-  the warm-up into the startup.
+- ``compile_log``: the run's log lines starting with ``compiling:``.
 
 Synthetic data (``PROFILES``; ``--data-profile``, default ``prompt-heavy``):
 
@@ -249,7 +245,7 @@ class BenchArgs:
     """Also run each loop, mode and packing with these extra ``eagle3fn train`` flags,
     one run per variant right after the plain one (same target, data and batches): a
     variant is flags without their leading dashes joined by ``+``, a value after ``=``,
-    e.g. ``precompile`` or ``compile-target+pack-length=8192``. Its rows are reported as
+    e.g. ``no-compile-target`` or ``compile-target+pack-length=8192``. Its rows are reported as
     ``<mode>+<variant>`` with the flags in ``variant``."""
     train_args: str = ""
     """Extra ``eagle3fn train`` flags for every run, given with ``=`` since they start
@@ -467,7 +463,7 @@ def variant_flags(variant: str) -> list[str]:
         flag, _, value = part.partition("=")
         if not re.fullmatch(r"[a-z][a-z0-9.-]*", flag):
             raise SystemExit(f"--variants {variant!r}: {flag!r} is not a flag name; write flags without "
-                             "their dashes, joined by '+', e.g. precompile+pack-length=8192")
+                             "their dashes, joined by '+', e.g. no-compile-target+pack-length=8192")
         out += [f"--{flag}", *([value] if value else [])]
     return out
 

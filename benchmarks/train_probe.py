@@ -570,27 +570,15 @@ COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_disp
                   "async_compile.wait", "PyCodeCache.load_by_key_path", "build_guards")
 
 
-COMPILE_LOG_PREFIXES = ("precompile:", "compiling:")
+COMPILE_LOG_PREFIXES = ("compiling:",)
 """The starts of the log lines about compilation that a run's record keeps."""
 
 
 def compile_log(text: str) -> dict:
     """What a run's log ``text`` says about its compilation: ``compile_log``, its lines
-    that start with ``COMPILE_LOG_PREFIXES`` (stripped), and ``precompile_s`` /
-    ``precompile_wait_s``, the seconds of ``compiled in X s`` / ``waited Y s`` in the
-    last ``precompile:`` line giving each (None when none does)."""
-    import re
-
+    that start with ``COMPILE_LOG_PREFIXES`` (stripped)."""
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(COMPILE_LOG_PREFIXES)]
-    out = {"compile_log": lines, "precompile_s": None, "precompile_wait_s": None}
-    for line in lines:
-        if not line.startswith("precompile:"):
-            continue
-        for key, pattern in (("precompile_s", r"compiled in (\d+(?:\.\d*)?) s"),
-                             ("precompile_wait_s", r"waited (\d+(?:\.\d*)?) s")):
-            if found := re.search(pattern, line):
-                out[key] = float(found.group(1))
-    return out
+    return {"compile_log": lines}
 
 
 def compile_profile() -> dict:
@@ -740,11 +728,8 @@ METHODS = {
                    "the last: s per package of the innermost frame (by_package, self), with the package anywhere "
                    "on the stack (by_package_inclusive), and the functions with the most inclusive and self s",
     "to_steady_s": "process launch to the start of the steady window (startup + warm-up, compilation "
-                   "included wherever it happens): the number to compare across runs that compile at different "
-                   "times (--precompile compiles while the run loads, so its warm-up alone would flatter it)",
-    "compile_log": "the lines the run logged that start with 'precompile:' or 'compiling:'; precompile_s / "
-                   "precompile_wait_s: the 'compiled in X s' / 'waited Y s' of the last precompile line that "
-                   "gives them (null when none does)",
+                   "included)",
+    "compile_log": "the lines the run logged that start with 'compiling:'",
     "warmup_step_s": "wall s of each warm-up step (device-synced), compilation included",
     "vs_specforge": "tokens_per_s / the SpecForge loop's tokens_per_s in this process",
 }

@@ -141,7 +141,7 @@ def test_tiny_end_to_end_on_cpu(bench, tmp_path, monkeypatch):
                 # the training thread's Python stack sampled through the step: the loop is eagle3fn's
                 assert f["python"]["samples"] >= 1 and f["python"]["by_package_inclusive"]["eagle3fn"] > 0, key
             assert first[0]["wall_s"] <= r["warmup_step_s"][0] + 0.01, key
-            assert r["compile_log"] == [] and r["precompile_s"] is None, key  # nothing compiles on a CPU
+            assert r["compile_log"] == [], key  # nothing compiles on a CPU
     assert rows[("offline", "loss")]["input_wait_frac"] >= 0
     # the probe's input wait is the loop's own (metrics.jsonl input_wait_s), step by step
     from eagle3fn.train.metrics import read_metrics
@@ -318,20 +318,15 @@ def test_phase_clock_times_each_phase_once():
 
 
 def test_compile_log_keeps_the_compile_lines():
-    """The lines starting with ``precompile:`` / ``compiling:`` are kept and the
-    precompile line's seconds parsed; a line that only mentions them is not (control),
-    and without a precompile line both seconds are None."""
+    """The lines starting with ``compiling:`` are kept (stripped); a line that only
+    mentions it is not (control)."""
     probe = load_benchmark("train_probe")
     log = ("draft: H=64\ncompiling: the first steps compile the draft's kernels\n"
-           "step 1/3 loss 2.0 (precompile: compiled in 9.9 s while the run loaded; waited 9.9 s)\n"
-           "  precompile: the draft step's graphs compiled in 24.1 s while the run loaded; waited 3.2 s for them\n")
-    got = probe.compile_log(log)
-    assert got == {"compile_log": ["compiling: the first steps compile the draft's kernels",
-                                   ("precompile: the draft step's graphs compiled in 24.1 s while the run loaded; "
-                                    "waited 3.2 s for them")],
-                   "precompile_s": 24.1, "precompile_wait_s": 3.2}
-    assert probe.compile_log("compiling: x\nprecompile: started\n") == {
-        "compile_log": ["compiling: x", "precompile: started"], "precompile_s": None, "precompile_wait_s": None}
+           "step 1/3 loss 2.0 (compiling: done)\n"
+           "  compiling: the target's layers\n")
+    assert probe.compile_log(log) == {"compile_log": ["compiling: the first steps compile the draft's kernels",
+                                                      "compiling: the target's layers"]}
+    assert probe.compile_log("draft: H=64\n") == {"compile_log": []}
 
 
 def _generated_calls():
@@ -450,18 +445,18 @@ def test_train_args_are_given_after_an_equals_sign(bench):
     control: the value as a separate word starting with -- is refused by tyro."""
     import tyro
 
-    args = tyro.cli(bench.BenchArgs, args=["--train-args=--pack-length 256 --precompile"])
-    assert args.train_args == "--pack-length 256 --precompile"
+    args = tyro.cli(bench.BenchArgs, args=["--train-args=--pack-length 256 --no-compile-target"])
+    assert args.train_args == "--pack-length 256 --no-compile-target"
     with pytest.raises(SystemExit):
-        tyro.cli(bench.BenchArgs, args=["--train-args", "--precompile"])
+        tyro.cli(bench.BenchArgs, args=["--train-args", "--no-compile-target"])
 
 
 def test_variants_are_train_flags(bench):
     """--variants' spelling (flags without dashes, joined by '+', values after '=') as
     the flags passed on; a word that is not a flag name stops the benchmark."""
     assert bench.variant_flags("") == []
-    assert bench.variant_flags("precompile") == ["--precompile"]
+    assert bench.variant_flags("no-compile-target") == ["--no-compile-target"]
     assert bench.variant_flags("compile-target+pack-length=8192+ttt.query-buckets=4") == [
         "--compile-target", "--pack-length", "8192", "--ttt.query-buckets", "4"]
     with pytest.raises(SystemExit, match="not a flag name"):
-        bench.variant_flags("--precompile")
+        bench.variant_flags("--no-compile-target")

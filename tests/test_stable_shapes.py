@@ -10,7 +10,8 @@ chains and the flex path's FlexAttention), and the test lifts FlexAttention's
 128 here, so that short conversations give as many different lengths as long ones. ``RecompileCounter`` counts dynamo's
 recompilations, as benchmarks/train.py does on the GPU. Control: FlexAttention compiled
 shape-static (the earlier ``dynamic=False``, lengths not marked) recompiles as the
-lengths change.
+lengths change. Plans uploaded as on a GPU compile nothing more either (control: their
+attention inputs as views of one buffer recompile).
 """
 
 from __future__ import annotations
@@ -93,6 +94,26 @@ def test_no_recompilation_after_the_first_step(workdir, tmp_path, monkeypatch, k
     # Step 1 too: each compiled function is traced once (no second graph for a view
     # where another step passes a fresh tensor), so warm-up compiles nothing twice.
     assert counts[0] == 0, (counts, examples)
+
+
+@pytest.mark.parametrize("own_storage", [True, False], ids=["own-storage", "control-views"])
+def test_uploaded_plans_do_not_recompile(workdir, tmp_path, monkeypatch, own_storage):
+    """Plans uploaded as on a GPU: FlexAttention's inputs get storages of their own
+    (``layout._own_storage``), so nothing recompiles. Control: as views of the one
+    upload buffer, their storage offsets become symbols of the compiled attention and a
+    batch of another layout breaks a guard the first one set (duck sizing)."""
+    import eagle3fn.unrolled.layout as layout_module
+
+    monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)
+    if not own_storage:
+        monkeypatch.setattr(layout_module, "_own_storage", lambda tensors: list(tensors))
+    counts, examples, _, _ = recompiles_per_step(workdir, tmp_path / "run", monkeypatch, trim="auto", pack=True,
+                                                max_length=96, batch_size=2,
+                                                ttt=TTTOptions(attention="flex", auto_min_rows=1))
+    if own_storage:
+        assert counts[-1] == counts[0] == 0, (counts, examples)
+    else:
+        assert counts[-1] > 0 and any("storage_offset" in e for e in examples), (counts, examples)
 
 
 def test_control_a_view_argument_compiles_a_second_graph():

@@ -64,6 +64,33 @@ def test_resume_continues_the_same_curve(workdir, tmp_path):
     assert curve(other)[0]["loss"] != rows_a[0]["loss"]
 
 
+def test_a_checkpoint_recording_a_removed_setting_resumes(workdir, tmp_path):
+    """A checkpoint written before ``--precompile`` was removed holds it in its
+    ``config`` (never in its fingerprint: ``checkpoint._NOT_TRAJECTORY``): the run
+    resumes from it and ends as one uninterrupted run. Control: the same key in the
+    fingerprint would stop the resume, naming it."""
+    whole, old = tmp_path / "whole", tmp_path / "old"
+    train(config(workdir, whole, epochs=1), log=lambda s: None)
+
+    def die(step):
+        if step == 3:  # the last checkpoint is step 2
+            raise Interrupted
+    with pytest.raises(Interrupted):
+        train(config(workdir, old, epochs=1), log=lambda s: None, on_step=die)
+    state = torch.load(old / CHECKPOINT, weights_only=True)
+    state["config"]["precompile"] = False  # as every checkpoint of that time recorded it
+    fingerprinted = {**state, "fingerprint": {**state["fingerprint"], "settings": {
+        **state["fingerprint"]["settings"], "precompile": False}}}
+    torch.save(fingerprinted, old / CHECKPOINT)
+    with pytest.raises(RunError, match="settings.precompile: False -> <none>"):
+        train(config(workdir, old, epochs=1), log=lambda s: None)
+    torch.save(state, old / CHECKPOINT)
+    lines = []
+    train(config(workdir, old, epochs=1), log=lines.append)
+    assert any(line.startswith("resumed ") and "at step 2" in line for line in lines), lines
+    a, b = final_params(whole), final_params(old)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
 def test_offline_cache_trains_like_online(workdir, tmp_path):
     from eagle3fn.cli.main import main
 

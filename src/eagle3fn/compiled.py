@@ -81,8 +81,7 @@ def configure_dynamo() -> None:
     calling thread (never lowered). Past the budget dynamo silently runs a function
     uncompiled (FlexAttention: its O(S^2)-memory path); a run needs one graph per dtype
     and grad mode, this leaves room for others. Dynamo's config is per thread since
-    torch 2.12, so every thread that compiles calls this (``compiled_flex`` does, and
-    ``train.precompile``'s thread)."""
+    torch 2.12, so every thread that compiles calls this (``compiled_flex`` does)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                 DYNAMO_CACHE_SIZE_LIMIT)
 

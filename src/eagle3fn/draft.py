@@ -306,7 +306,7 @@ def init_params(
     with torch.device("meta"):
         skeleton = Eagle3Draft(cfg)
     norms = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, RMSNorm)}
-    params = {  # explicit dtypes: the default dtype may be changed by another thread meanwhile
+    params = {  # drawn in fp32 whatever the default dtype: a seed gives the same draws at every precision
         name: torch.ones(p.shape, dtype=torch.float32) if name in norms
         else torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02
         for name, p in skeleton.named_parameters()

@@ -24,7 +24,6 @@ from eagle3fn.parallel import (Layout, build_layout, distribute_like, full, full
                                init_distributed, is_main, load_optimizer_state, shard)
 from eagle3fn.train.checkpoint import CHECKPOINT, check_resume, read_checkpoint, run_fingerprint, save_checkpoint
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.precompile import Precompile, start_precompile
 from eagle3fn.train.sources import (Source, compute_dtype, offline_source, offline_target, online_source,
                                     prompt_of)
 from eagle3fn.unrolled import TTTConfig
@@ -261,25 +260,14 @@ def frozen_in_compute_dtype(params: dict[str, torch.Tensor], precision: torch.dt
     return {n: p if p.requires_grad else p.to(precision) for n, p in params.items()}
 
 
-def _start_precompile(cfg: TrainConfig, device: torch.device, model_config, precision: torch.dtype,
-                      master: torch.dtype) -> Precompile | None:
-    """``--precompile``: the draft step's graphs compiling in the background from the
-    target's config.json alone (its vocab size stands for the head's rows), before the
-    target loads (``train.precompile``)."""
-    if not cfg.precompile:
-        return None
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, text.vocab_size, max_length=cfg.max_length)
-    return start_precompile(cfg, device, ttt_config_for(cfg, draft_cfg), target_hidden=text.hidden_size,
-                            master=master, dtype=precision)
-
-
 def build_run(cfg: TrainConfig, device: torch.device, out: Path,
               log: Callable[[str], None]) -> Run:
     """Sources, draft, vocab map, parameters, optimizer, and the checkpoint's state when
     ``out`` holds one (its run fingerprint checked before anything in ``out`` is
     rewritten). ``cfg`` has passed ``check_paths`` and ``check_draft_shape``."""
     from transformers import AutoConfig
+
+    from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
     layout, device = _parallel(cfg, device)
     if not is_main():  # messages: rank 0 only
@@ -288,27 +276,6 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     model_config = AutoConfig.from_pretrained(cfg.model, **kwargs)
     precision = compute_dtype(cfg, device)
     master = torch.float64 if precision == torch.float64 else torch.float32
-    precompile = _start_precompile(cfg, device, model_config, precision, master)
-    try:
-        run, state = _build(cfg, device, out, log, layout, model_config, precision, master)
-    except Exception:
-        if precompile is not None:  # no compile left running behind a failed build
-            precompile.thread.join()
-        raise
-    if precompile is not None:  # before the resume's RNG state: dynamo restores the RNG it saw
-        precompile.join(log, out if is_main() else None)
-    if state is not None:
-        _restore(run, state)
-        log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")
-    return run
-
-
-def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str], None], layout: Layout | None,
-           model_config, precision: torch.dtype, master: torch.dtype) -> tuple[Run, dict | None]:
-    """``build_run`` after the mesh, the target's config and the precompile's start:
-    the run, and the checkpoint's state to resume from (None: a new run)."""
-    from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
-
     if cfg.cache:  # the target's embedding and head, or the whole target to decode with it
         from eagle3fn.io.cache import check_cache_for_training
 
@@ -351,7 +318,10 @@ def _build(cfg: TrainConfig, device: torch.device, out: Path, log: Callable[[str
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,
               fingerprint=fingerprint)
-    return run, state
+    if state is not None:
+        _restore(run, state)
+        log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")
+    return run
 
 
 def _restore(run: Run, state: dict) -> None:

@@ -224,15 +224,6 @@ class TrainConfig:
     elementwise work (one graph for all of them, one extra compilation at the first
     batch; an 8B online step 358 -> 329 ms on an H200, docs/benchmarks.md). Results
     differ only by rounding, so a run may resume with either. The CPU runs eagerly."""
-    precompile: bool = False
-    """On CUDA: compile the draft step's graphs in a background thread while the target
-    and the data load (one forward and backward per trim path on a synthetic batch of the
-    run's shapes; ``train.precompile``), so the first step finds them compiled instead
-    of compiling them after the load. The run waits for it before its first step and
-    logs what it took (``precompile: ...``); a failed precompile is logged and the first
-    step compiles as without it. Results are bitwise the same either way. Off by default:
-    on an H200 it did not shorten a cold start (the two threads slow each other;
-    docs/benchmarks.md). Not under torchrun."""
     memory_check: bool = True
     """Before anything loads, estimate the peak memory of a step (``eagle3fn plan``'s
     model of the draft step with its optimizer state, at --batch-size rows of

@@ -161,9 +161,8 @@ def _own_storage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     are views of one device buffer, and dynamo makes a view's storage offset a symbol of
     the compiled FlexAttention graph: an offset of 0 or 1 specialises it, and an offset
     equal to another size at compile time becomes a guard (duck sizing) that a later
-    batch of another layout breaks. Seen on the CPU with the upload forced: the
-    attention recompiled between ``--precompile``'s two trim paths
-    (tests/test_precompile.py)."""
+    batch of another layout breaks (tests/test_stable_shapes.py, with the upload forced
+    on the CPU)."""
     fresh = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     for dtype in {t.dtype for t in tensors}:  # one launch per dtype (foreach's fast path)
         mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
