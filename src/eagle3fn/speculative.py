@@ -38,8 +38,10 @@ the target alone (``target_generate``). Tests hold ``generate`` to ``model.gener
 to ``speculative_generate`` (greedy and sampled, token for token). ``generate`` has two
 implementations of its draft side with the same output: ``impl="static"`` (fixed-shape
 buffers; on CUDA with greedy decoding each round's draft work is two CUDA-graph
-replays; the default on CUDA) and ``impl="dynamic"`` (tensors grown per round, every
-kernel launched from Python).
+replays) and ``impl="dynamic"`` (tensors grown per round, every kernel launched from
+Python). ``impl="graph"`` (``evaluation.graphed``; the default on CUDA) also runs the
+target on a static cache with its verifying forward one CUDA-graph replay, and times
+the target alone on the same path (``target_generate(impl="graph")``).
 """
 
 from __future__ import annotations
@@ -885,7 +887,27 @@ class _Stage:
 
 
 IMPLS = ("static", "dynamic")
-"""``generate``'s implementations (its ``impl`` argument)."""
+"""``generate``'s implementations with the target on transformers' ``DynamicCache``."""
+
+GRAPH = "graph"
+"""``generate``'s implementation with the target on a ``decoding.StaticKVCache`` and CUDA
+graphs for both sides (``evaluation.graphed``)."""
+
+
+def default_impl(target: TargetModel, draft_params: dict[str, torch.Tensor]) -> str:
+    """``generate``'s implementation when none is named: ``"graph"`` when the target and
+    the draft are on one CUDA device and every target layer attends fully (the static
+    cache's condition), else ``"static"`` for a CUDA draft, else ``"dynamic"``."""
+    from eagle3fn.decoding.static_cache import check_full_attention
+
+    device, draft_device = target.lm_head.weight.device, draft_params["fc.weight"].device
+    if device.type == "cuda" and draft_device == device:
+        try:
+            check_full_attention(target.model.config)
+            return GRAPH
+        except ValueError:
+            pass
+    return "static" if draft_device.type == "cuda" else "dynamic"
 
 
 @torch.no_grad()
@@ -916,20 +938,26 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
             in doubling capacity, finished rows kept in place), so that on CUDA with
             greedy decoding each round's draft work is two CUDA-graph replays;
             ``"dynamic"``: the draft's cache grown by concatenation each round, finished
-            rows removed, every kernel launched from Python. Both give the same tokens
-            and accepted counts. None: ``"static"`` when the draft is on CUDA, else
-            ``"dynamic"``.
+            rows removed, every kernel launched from Python. Both run the target on
+            transformers' ``DynamicCache``. ``"graph"`` (``evaluation.graphed``): the
+            target on a ``decoding.StaticKVCache`` of fixed shapes, its verifying
+            forward (with acceptance and rollback when greedy) one CUDA-graph replay on
+            CUDA, the draft as ``"static"``. All give the same tokens and accepted
+            counts. None: ``default_impl``.
         stages: a ``StageTimes`` to fill (adds device syncs around every stage).
     """
     prompts = _prompt_list(prompts)
     _check_inputs(target, draft_cfg, d2t)
     if impl is None:
-        impl = "static" if draft_params["fc.weight"].device.type == "cuda" else "dynamic"
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+        impl = default_impl(target, draft_params)
+    if impl not in IMPLS + (GRAPH,):
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS + (GRAPH,)}")
     stage = _Stage(stages, target.lm_head.weight.device)
     t0 = time.perf_counter()
-    run = _generate_static if impl == "static" else _generate_dynamic
+    if impl == GRAPH:
+        from eagle3fn.evaluation.graphed import generate_graphed as run
+    else:
+        run = _generate_static if impl == "static" else _generate_dynamic
     results = run(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage)
     if stages is not None:
         if stage.cuda:
@@ -1130,14 +1158,21 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
 
 @torch.no_grad()
 def target_generate(target: TargetModel, tokenizer_or_none, prompts: Sequence[torch.Tensor],
-                    cfg: SpecConfig) -> list[list[int]]:
+                    cfg: SpecConfig, *, impl: str | None = None) -> list[list[int]]:
     """The target alone, one token per cached forward, batched and stopped as
     ``generate`` (left padding, explicit positions, rows leaving when done): the new
     tokens of each prompt. Greedy, or sampling at ``cfg.temperature`` with prompt i's
     generator seeded ``cfg.seed + i``; the baseline of the speedup, so it runs the
-    same forward as ``generate`` without the aux hooks."""
+    same forward as ``generate`` without the aux hooks. ``impl="graph"``: on
+    ``generate(impl="graph")``'s path instead (``evaluation.graphed.target_generate_graphed``:
+    a static cache, the decode step one CUDA-graph replay on CUDA); any other value or
+    None: transformers' ``DynamicCache`` as ``"static"`` and ``"dynamic"`` run it."""
     from transformers import DynamicCache
 
+    if impl == GRAPH:
+        from eagle3fn.evaluation.graphed import target_generate_graphed
+
+        return target_generate_graphed(target, tokenizer_or_none, prompts, cfg)
     prompts = _prompt_list(prompts)
     device = target.lm_head.weight.device
     eos = _eos_ids(target, tokenizer_or_none)
@@ -1217,8 +1252,9 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         prompts: int64 ``[L]`` or ``[1, L]`` each.
         tokenizer: EOS ids only (``generate``).
         batch_size: prompts decoded together (>= 1).
-        baseline: also time the target alone (the speedup's denominator).
-        impl: ``generate``'s implementation (None: its default for the device).
+        baseline: also time the target alone (the speedup's denominator), on the
+            decoding path of ``impl`` (``target_generate(impl=impl)``).
+        impl: ``generate``'s implementation (None: ``default_impl``, ``"graph"`` on CUDA).
 
     Returns:
         ``acceptance_length`` (mean of ``accepted + 1`` over the rounds of all
@@ -1232,7 +1268,8 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         ``speedup`` (tokens/s with the draft over tokens/s alone) and ``same_as_target``
         (prompts whose two outputs are identical). Greedy: ``identity`` (one line) and
         ``near_ties``; every difference must be an argmax near-tie of the target
-        (``evaluation.check_identity``), else ``OutputMismatch`` is raised.
+        (``evaluation.check_identity``), else ``OutputMismatch`` is raised. ``impl``:
+        the implementation that ran (both sides).
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -1241,6 +1278,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     device = target.lm_head.weight.device
     prompts = [p.to(device) for p in _prompt_list(prompts)]
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    impl = default_impl(target, draft_params) if impl is None else impl
 
     def timed(fn):
         if device.type == "cuda":
@@ -1259,9 +1297,9 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     out = {"acceptance_length": length, "per_position_acceptance": per_position,
            "n_prompts": len(prompts), "tokens": tokens, "rounds": len(rounds),
            "target_forwards": sum(r.target_forwards for r in results),
-           "seconds": seconds, "tokens_per_s": tokens / seconds}
+           "seconds": seconds, "tokens_per_s": tokens / seconds, "impl": impl}
     if baseline:
-        alone, target_seconds = timed(lambda batch: target_generate(target, tokenizer, batch, cfg))
+        alone, target_seconds = timed(lambda batch: target_generate(target, tokenizer, batch, cfg, impl=impl))
         target_tps = sum(map(len, alone)) / target_seconds
         out.update(target_seconds=target_seconds, target_tokens_per_s=target_tps,
                    speedup=out["tokens_per_s"] / target_tps,

@@ -4,7 +4,9 @@ For each batch size ``b`` the prompts are decoded in batches of ``b`` by the tar
 alone (the speedup's denominator, timed once per ``b``) and, for each ``k``, by
 speculative decoding (``speculative.generate``), each timed after one untimed warm-up
 batch (CUDA context, allocator blocks and graph recordings are not charged to the
-first timed configuration). Greedy outputs are held to the target alone's
+first timed configuration). The target alone runs on the decoding path of the
+implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
+a static cache and CUDA graphs on both sides). Greedy outputs are held to the target alone's
 (``identity.check_identity``) in every configuration.
 """
 
@@ -50,26 +52,28 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
             draft_cfg, d2t: the draft, as ``speculative.generate`` takes them.
         prompts: int64 ``[L_i]`` or ``[1, L_i]`` each.
         ks, batch_sizes: the grid (each >= 1).
-        impl: ``speculative.generate``'s implementation (None: its default).
+        impl: ``speculative.generate``'s implementation, the target alone's path too
+            (None: ``speculative.default_impl``).
 
     Returns ``{"rows": [...], "best": {b: row}}``; each row has ``batch_size``, ``k``,
     ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
-    ``tokens``, ``seconds``, ``tokens_per_s``, ``target_tokens_per_s``, ``speedup`` and
+    ``tokens``, ``seconds``, ``tokens_per_s``, ``target_tokens_per_s``, ``speedup``, ``impl`` and
     (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k.
     """
-    from eagle3fn.speculative import SpecConfig, acceptance_stats, generate, target_generate
+    from eagle3fn.speculative import SpecConfig, acceptance_stats, default_impl, generate, target_generate
 
     device = target.lm_head.weight.device
+    impl = default_impl(target, draft_params) if impl is None else impl
     prompts = [p.reshape(-1).to(device) for p in prompts]
     rows, best = [], {}
     for b in batch_sizes:
         batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed)
+        alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl)  # noqa: E731
         if warmup:
-            target_generate(target, tokenizer, batches[0], base_cfg)
-        alone, alone_s = _timed(device, lambda: [t for batch in batches
-                                                 for t in target_generate(target, tokenizer, batch, base_cfg)])
+            alone_run(batches[0])
+        alone, alone_s = _timed(device, lambda: [t for batch in batches for t in alone_run(batch)])
         alone_tps = sum(map(len, alone)) / alone_s
         for k in ks:
             cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
@@ -86,7 +90,7 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
                    "per_position_acceptance": per_position, "rounds": len(counts), "tokens": tokens,
                    "seconds": seconds, "tokens_per_s": tokens / seconds,
                    "target_seconds": alone_s, "target_tokens_per_s": alone_tps,
-                   "speedup": tokens / seconds / alone_tps}
+                   "speedup": tokens / seconds / alone_tps, "impl": impl}
             if temperature == 0:
                 report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
                 row.update(identical=report.identical, near_ties=len(report.near_ties),
