@@ -149,6 +149,11 @@ class EvalArgs:
     """Where the target and the draft run (auto: cuda when a GPU is visible, else cpu)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The target's and the draft's dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    impl: Literal["auto", "graph", "static", "dynamic"] = "auto"
+    """The decoding path, the same for the draft and the target alone: ``graph`` (static
+    caches, each round and the target alone's step replayed as CUDA graphs on the GPU),
+    ``static`` (the draft on fixed buffers, the target on transformers' cache),
+    ``dynamic`` (both grown per round); auto: graph on CUDA, dynamic on the CPU."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, int):
@@ -287,7 +292,7 @@ def _eval_one(args: EvalArgs, target, tok, run: dict, params: dict, prompts: lis
     spec_cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature)
     result = run_eval(target, params, run["draft"], run["d2t"], prompts, spec_cfg, tokenizer=tok,
-                      batch_size=batch, baseline=args.baseline)
+                      batch_size=batch, baseline=args.baseline, impl=None if args.impl == "auto" else args.impl)
     per_pos = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
     print(f"{label}, {result['tokens']} tokens: "
           f"acceptance length {result['acceptance_length']:.2f} (k={k}), "
@@ -318,7 +323,7 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
           f"{args.max_new_tokens} new tokens each ({target.model.device})")
     result = sweep(target, params, run["draft"], run["d2t"], prompts, ks=args.num_draft_tokens,
                    batch_sizes=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, tokenizer=tok)
+                   temperature=args.temperature, tokenizer=tok, impl=None if args.impl == "auto" else args.impl)
     kmax = max(args.num_draft_tokens)
     alone = target_generate(target, tok, prompts, SpecConfig(max_new_tokens=args.max_new_tokens))
     device = target.lm_head.weight.device

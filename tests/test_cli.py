@@ -51,7 +51,7 @@ FLAGS = {
               "--ttt.flex-kernel-options"},
     "export": {"--run", "--out", "--dtype", "--format", "--best", "--no-best", "--overwrite", "--no-overwrite"},
     "eval": {"--run", "--prompts", "--num-prompts", "--num-draft-tokens", "--max-new-tokens", "--temperature",
-             "--batch-size", "--baseline", "--no-baseline", "--untrained", "--no-untrained", "--json", "--draft", "--model", "--aux-layer-ids", "--device", "--dtype"},
+             "--batch-size", "--baseline", "--no-baseline", "--untrained", "--no-untrained", "--json", "--draft", "--model", "--aux-layer-ids", "--device", "--dtype", "--impl"},
     "plan": {"--attention", "--auto-backbone-fraction", "--auto-loss-share", "--auto-min-rows", "--batch",
              "--density", "--draft-vocab",
              "--dtype-bytes", "--gpu-memory-gib", "--head-chunk-rows", "--head-dim", "--heads",
