@@ -33,7 +33,10 @@ What one run does:
 
 ``--impl`` picks ``generate``'s implementation (default: ``static`` on CUDA, where each
 round's draft work is two CUDA-graph replays, recorded anew for every batch and every
-doubling of the draft's cache; ``dynamic`` elsewhere).
+doubling of the draft's cache; ``dynamic`` elsewhere). The instrumented target alone
+times ``speculative._target_forward`` (transformers' ``DynamicCache``), so this
+benchmark names its impl to ``evaluate`` instead of taking ``speculative.default_impl``
+(``graph`` on CUDA: ``eagle3fn eval`` measures that path).
 
 Reported (JSON ``result``):
 
@@ -205,7 +208,7 @@ def main(args: EvalBenchArgs) -> dict:
           f"impl {resolved['impl']}", flush=True)
     cold, cold_stages = {}, spec.StageTimes()
     for name, fn in (("cold_seconds", lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg,
-                                                              impl=args.impl, stages=cold_stages)),
+                                                              impl=resolved["impl"], stages=cold_stages)),
                      ("cold_target_seconds", lambda b: spec.target_generate(target, None, b, cfg))):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -215,7 +218,7 @@ def main(args: EvalBenchArgs) -> dict:
             torch.cuda.synchronize(device)
         cold[name] = time.perf_counter() - t
     result = spec.evaluate(target, params, draft_cfg, d2t, prompts, cfg, batch_size=args.batch_size,
-                           impl=args.impl)
+                           impl=resolved["impl"])
     print(f"plain: {result['seconds']:.1f} s speculative ({result['tokens_per_s']:.0f} tok/s), "
           f"{result['target_seconds']:.1f} s target alone ({result['target_tokens_per_s']:.0f} tok/s), "
           f"acceptance length {result['acceptance_length']:.2f}", flush=True)
@@ -234,7 +237,7 @@ def main(args: EvalBenchArgs) -> dict:
 
     stages = spec.StageTimes()
     spec_s, _ = instrumented(lambda b: spec.generate(target, None, params, draft_cfg, d2t, b, cfg,
-                                                     impl=args.impl, stages=stages))
+                                                     impl=resolved["impl"], stages=stages))
     _, alone_calls = instrumented(lambda b: spec.target_generate(target, None, b, cfg))
     decode = [ms for n, ms in alone_calls if n == 1]
     rounds = stages.rounds

@@ -306,8 +306,8 @@ def test_packed_flex_equals_unpacked(packed_batches, trim, monkeypatch):
 
 
 def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
-    """``speculative.generate`` on CUDA (its default there: the static path, each round's
-    draft work replayed from CUDA graphs) equals the target's own greedy generation
+    """``speculative.generate(impl="static")`` on CUDA (each round's draft work replayed
+    from CUDA graphs, the target on transformers' DynamicCache) equals the target's own greedy generation
     (``model.generate``) of every prompt token for token, fp32 with TF32 off, four
     prompts of lengths 1 to 11 in one batch (left padding), with a real draft built to
     agree often (``test_eval_kv.agreeing_pair``: every acceptance count 0..k), one row
@@ -335,7 +335,7 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
     want = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
     monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
 
-    def run(impl=None, stages=None):
+    def run(impl="static", stages=None):
         out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts,
                        SpecConfig(num_draft_tokens=k, max_new_tokens=new), impl=impl, stages=stages)
         return [r.tokens for r in out], [r.accepted_per_round for r in out]
@@ -359,6 +359,70 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
     assert run("dynamic") == (tokens, counts)
     monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool,
                                                                    device=n.device))
+    assert run()[0] != want
+
+
+def test_graph_path_equals_target_greedy_on_cuda(monkeypatch):
+    """``impl="graph"`` (the default on CUDA, ``evaluation.graphed``): the target on a
+    static cache, each round's verifying forward, acceptance and rollback one CUDA graph
+    beside the draft's two. fp32 with TF32 off, ``test_eval_kv.agreeing_pair``'s target and
+    draft, one row ending at an EOS, the draft's cache compacted every round: the tokens
+    are ``model.generate``'s, the accepted counts ``impl="static"``'s, three graphs
+    recorded once; the target alone on the same path (``target_generate(impl="graph")``,
+    its decode step one graph) equals ``model.generate``. In bf16, ``evaluate``'s default
+    is this path on both sides and its identity check passes. Control: a rollback one
+    column short (``n`` instead of ``n + 1``) is caught by the same comparison."""
+    import types
+
+    import eagle3fn.evaluation.graphed as graphed
+    import eagle3fn.speculative as spec
+    from eagle3fn.decoding.graphs import Graphed
+    from eagle3fn.speculative import SpecConfig, StageTimes, default_impl, evaluate, generate, target_generate
+    from test_eval_kv import PROMPTS, agreeing_pair
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    target, params, cfg, d2t = agreeing_pair(dtype=torch.float32, device="cuda")
+    prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
+    new, k = 24, 3
+    refs = []
+    for p in prompts:
+        out = target.model.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
+                                    max_new_tokens=new)
+        refs.append(out[0, p.numel():].tolist())
+    eos = next(t for t in refs[1][8:] if all(t not in r for r in refs[:1] + refs[2:]))
+    tok = types.SimpleNamespace(eos_token_id=eos)
+    want = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
+    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+
+    def run(impl=None, stages=None):
+        out = generate(target, tok, params, cfg, d2t, prompts, SpecConfig(num_draft_tokens=k, max_new_tokens=new),
+                       impl=impl, stages=stages)
+        return [r.tokens for r in out], [r.accepted_per_round for r in out]
+
+    recorded = []
+    real_prepare = Graphed.prepare
+
+    def counted(self):
+        if self.due:
+            recorded.append(self.fn.__name__)
+        real_prepare(self)
+
+    monkeypatch.setattr(Graphed, "prepare", counted)
+    assert default_impl(target, params) == "graph"
+    stages = StageTimes()
+    tokens, counts = run(stages=stages)
+    assert sorted(recorded) == ["_chain", "_greedy_round", "_update"] and stages.rounds > 2
+    assert tokens == want
+    assert {n for c in counts for n in c} == set(range(k + 1)), counts
+    assert run("static") == (tokens, counts)
+    recorded.clear()
+    assert target_generate(target, tok, prompts, SpecConfig(max_new_tokens=new), impl="graph") == want
+    assert recorded == ["_step"]
+    bf16 = agreeing_pair(dtype=torch.bfloat16, device="cuda")
+    result = evaluate(*bf16, prompts, SpecConfig(num_draft_tokens=k, max_new_tokens=new), batch_size=4)
+    assert result["impl"] == "graph" and "outputs identical" in result["identity"]
+    monkeypatch.setattr(graphed, "kept_columns", lambda n, live: torch.where(live, n, 0))
     assert run()[0] != want
 
 
