@@ -298,7 +298,7 @@ def _eval_one(args: EvalArgs, target, tok, run: dict, params: dict, prompts: lis
           f"acceptance length {result['acceptance_length']:.2f} (k={k}), "
           f"per position [{per_pos}], simulated tau {result['simulated_tau']:.2f}")
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    speed = f"speed ({mode}, batches of {batch}, {target.model.device}): " \
+    speed = f"speed ({mode}, batches of {batch}, {target.model.device}, {result['impl']} path): " \
             f"{result['tokens_per_s']:.1f} tokens/s with the draft"
     if args.baseline:
         speed += (f", {result['target_tokens_per_s']:.1f} tokens/s target alone: speedup "
