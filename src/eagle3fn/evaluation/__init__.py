@@ -6,6 +6,9 @@
 - ``sweep``: speculative decoding for every k and batch size asked, each timed against
   the target alone on the same batches in the same process, the best k per batch, and
   the acceptance the training-time metrics imply beside the measured one.
+- ``graphed``: ``speculative.generate(impl="graph")`` and its target-alone baseline, both
+  on a static KV cache with CUDA graphs (imported by ``speculative`` when asked for, not
+  here: it reads ``speculative``).
 """
 
 from eagle3fn.evaluation.identity import Divergence, IdentityReport, OutputMismatch, check_identity
