@@ -239,7 +239,7 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
         if live != was_live:  # rows ended: they stop keeping anything
             verifier.live.copy_(torch.tensor([b in live for b in rows], device=device))
             was_live = live
-        S = _round(state, verifier, S, k, live, temperature, generators, stage)
+        _round(state, verifier, S, k, live, temperature, generators, stage)
         host = torch.cat((verifier.n[:, None], verifier.token[:, None], state.tokens.to(device)), 1).tolist()
         host = [host[b] for b in live]  # the round's sync
         drop = k - max(h[0] for h in host)  # trailing slots no row kept: reused next round
@@ -247,7 +247,8 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
         state.slots.add_(k + 1 - drop)
         for b, (count, *_) in zip(live, host):
             slots[b] += count + 1
-        if S > 2 * max(slots[b] for b in live) + spec.COMPACT_SLACK:  # mostly rolled back
+        # Mostly rolled back; finished rows count too, as compaction keeps their slots.
+        if S > 2 * max(slots) + spec.COMPACT_SLACK:
             order = spec._compaction_order(state.valid[:, :S])
             state.compact(state.rows, order, S, order.shape[1])
             S = order.shape[1]
@@ -256,8 +257,9 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
 
 
 def _round(state, verifier: _Verifier, S: int, k: int, live: list[int], temperature: float,
-           generators: list[torch.Generator], stage) -> int:
-    """Chain, verify, update (module docstring), recording what is due; returns ``S``."""
+           generators: list[torch.Generator], stage) -> None:
+    """Chain, verify, update (module docstring) with ``S`` draft slots in use, recording
+    what is due."""
     state.reserve(S + k + 1)
     if state.chain.due:
         with stage("record_s"):
@@ -274,7 +276,6 @@ def _round(state, verifier: _Verifier, S: int, k: int, live: list[int], temperat
             state.update.prepare()
     with stage("draft_context_s"):
         state.update()
-    return S
 
 
 @torch.no_grad()
