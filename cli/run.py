@@ -413,3 +413,30 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
     print(f"export      eagle3fn export --run {q} --out {shlex.quote(str(out / 'draft'))}")
     if (out / BEST).exists():
         print(f"export best eagle3fn export --run {q} --out {shlex.quote(str(out / 'draft-best'))} --best")
+    print(demo_verdict(trained))
+
+
+def demo_verdict(trained: dict) -> str:
+    """The demo's last line: whether the trained draft made decoding faster on this
+    machine, said plainly, and the real-weights GPU result shipped with the package
+    (``eagle3fn/demo/gpu_result.json``, a summary of docs/results.md's JSON) beside it."""
+    import json
+    from importlib import resources
+
+    speedup, length = trained["speedup"], trained["acceptance_length"]
+    where = "this GPU" if trained.get("impl") == "graph" else "this machine"
+    if speedup > 1.0:
+        line = (f"result: with the trained draft, decoding on {where} is {speedup:.2f}x the target alone "
+                f"(acceptance length {length:.2f}).")
+    else:
+        line = (f"result: with the trained draft, decoding on {where} is SLOWER than the target alone "
+                f"({speedup:.2f}x, acceptance length {length:.2f}): minutes of training on the demo's "
+                "conversations do not make a draft that pays for its own cost here; a draft pays once "
+                "trained on the target's own answers at scale (eagle3fn synthesize, then train).")
+    source = resources.files("eagle3fn.demo") / "gpu_result.json"
+    if source.is_file():
+        g = json.loads(source.read_text())
+        line += (f"\n        on {g['device']}, {g['target']} trained on {g['conversations']} conversations it "
+                 f"synthesized: acceptance length {g['acceptance_length']:.2f} at k={g['k']}, speedup "
+                 f"{g['speedup']:.2f}x at batch {g['batch']} (docs/results.md)")
+    return line

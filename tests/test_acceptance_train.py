@@ -156,4 +156,17 @@ def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch
         ["1.00", "40.0", "1.00x"]
     during = next(line for line in lines if line.startswith("acceptance length during training"))
     assert "step 1: 1.50, step 2: 2.50, step 3: 2.00; best: step 2" in during
-    assert f"eagle3fn export --run {out} --out {out / 'draft-best'} --best" in lines[-1]
+    assert any(f"eagle3fn export --run {out} --out {out / 'draft-best'} --best" in line for line in lines)
+    assert lines[-1].startswith("result: with the trained draft, decoding on this machine is SLOWER than the "
+                                "target alone (0.75x, acceptance length 1.25)")
+
+
+def test_demo_verdict_says_faster_only_above_one():
+    """The demo's last line names the measured speedup plainly: 'SLOWER' at or below
+    1.0x (control: 1.0x exactly is not a gain), the factor above it."""
+    from eagle3fn.cli.run import demo_verdict
+
+    base = dict(acceptance_length=1.9, n_prompts=4)
+    assert "is 1.12x the target alone (acceptance length 1.90)" in demo_verdict({**base, "speedup": 1.12})
+    for slow in (1.0, 0.58):
+        assert f"is SLOWER than the target alone ({slow:.2f}x" in demo_verdict({**base, "speedup": slow})
