@@ -614,6 +614,17 @@ class _StaticDraft:
         self.update = _Graphed(self._update, self.graph, self.keys.device)
         self.chain = _Graphed(self._chain, self.graph, self.keys.device)
 
+
+    def propose(self, slots: int, stage) -> None:
+        """The round's k proposals into ``tokens`` (and ``probs``): room for ``slots``
+        draft slots, the chain recorded if due (timed as ``record_s``), then run (timed
+        as ``draft_chain_s``)."""
+        self.reserve(slots)
+        if self.chain.due:
+            with stage("record_s"):
+                self.chain.prepare()
+        with stage("draft_chain_s"):
+            self.chain()
     def _update(self) -> None:
         g, u, keys, values = self.draft.context(self.aux, self.nxt, self.pos, self.kept)
         self.keys.index_copy_(2, self.slots, keys)
@@ -1120,12 +1131,7 @@ def _generate_static(target, tokenizer_or_none, draft_params, draft_cfg, d2t, pr
             rows = [rows[i] for i in live]
             valid, pos_t, token = valid[index], pos_t[index], token[index]
             live_rows = torch.tensor(rows, device=draft.device)
-        state.reserve(S + k + 1)
-        if state.chain.due:
-            with stage("record_s"):
-                state.chain.prepare()
-        with stage("draft_chain_s"):
-            state.chain()
+        state.propose(S + k + 1, stage)
         proposal = (state.tokens.clone() if live_rows is None else state.tokens[live_rows]).to(device)
         probs = None if state.probs is None else state.probs if live_rows is None else state.probs[live_rows.cpu()]
         aux, positions, n, token, kept, nxt = _verify_round(target, cache, token, proposal, probs, valid, pos_t,

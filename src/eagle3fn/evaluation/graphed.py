@@ -260,12 +260,7 @@ def _round(state, verifier: _Verifier, S: int, k: int, live: list[int], temperat
            generators: list[torch.Generator], stage) -> None:
     """Chain, verify, update (module docstring) with ``S`` draft slots in use, recording
     what is due."""
-    state.reserve(S + k + 1)
-    if state.chain.due:
-        with stage("record_s"):
-            state.chain.prepare()
-    with stage("draft_chain_s"):
-        state.chain()
+    state.propose(S + k + 1, stage)
     if verifier.step.due:
         with stage("record_s"):
             verifier.record()
