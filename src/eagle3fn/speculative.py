@@ -614,7 +614,6 @@ class _StaticDraft:
         self.update = _Graphed(self._update, self.graph, self.keys.device)
         self.chain = _Graphed(self._chain, self.graph, self.keys.device)
 
-
     def propose(self, slots: int, stage) -> None:
         """The round's k proposals into ``tokens`` (and ``probs``): room for ``slots``
         draft slots, the chain recorded if due (timed as ``record_s``), then run (timed
