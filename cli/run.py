@@ -323,7 +323,9 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
           f"{args.max_new_tokens} new tokens each ({target.model.device})")
     result = sweep(target, params, run["draft"], run["d2t"], prompts, ks=args.num_draft_tokens,
                    batch_sizes=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, tokenizer=tok, impl=None if args.impl == "auto" else args.impl)
+                   temperature=args.temperature, tokenizer=tok, impl=None if args.impl == "auto" else args.impl,
+                   on_row=None if args.json is None else
+                   lambda rows: _write_json(args, {"rows": rows, "partial": True}, target))
     kmax = max(args.num_draft_tokens)
     alone = target_generate(target, tok, prompts, SpecConfig(max_new_tokens=args.max_new_tokens))
     device = target.lm_head.weight.device
@@ -348,7 +350,8 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
 
 
 def _write_json(args: EvalArgs, out: dict, target) -> None:
-    """``out`` with the arguments and the device, to ``args.json`` (atomically)."""
+    """``out`` with the arguments and the device, to ``args.json`` (atomically); a sweep
+    writes it after every configuration too (``"partial": true`` until the end)."""
     import dataclasses
     import json
     import os

@@ -87,9 +87,11 @@ def test_implied_length_is_the_expected_length_of_independent_accepts(acc):
 
 def test_sweep_matches_evaluate_per_configuration(target):
     params, cfg, d2t = make_draft(target, dtype=torch.float64)
+    seen = []
     out = sweep(target, params, cfg, d2t, prompts(), ks=(1, 3), batch_sizes=(1, 2, 5),
-                max_new_tokens=8, log=lambda s: None)
+                max_new_tokens=8, log=lambda s: None, on_row=lambda rows: seen.append(list(rows)))
     rows = out["rows"]
+    assert seen == [rows[:n] for n in range(1, 7)]  # after every configuration, the rows so far
     assert [(r["batch_size"], r["k"]) for r in rows] == [(b, k) for b in (1, 2, 5) for k in (1, 3)]
     for k in (1, 3):
         one = evaluate(target, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=k, max_new_tokens=8),
@@ -122,6 +124,7 @@ def test_eval_cli_sweep_prints_a_table_and_writes_json(workdir, tmp_path, capsys
     assert "every configuration: 2/2 outputs identical to the target's own" in printed
     record = json.loads(path.read_text())
     rows = record["result"]["rows"]
+    assert "partial" not in record["result"]  # the last write is the whole result
     assert len(rows) == 4 and record["args"]["num_draft_tokens"] == [1, 2]
     assert set(record["result"]["best"]) == {"1", "2"}
     assert all(1.0 <= r["implied_acceptance_length"] <= 1 + r["k"] for r in rows)

@@ -44,7 +44,8 @@ def _timed(device: torch.device, fn: Callable[[], list]) -> tuple[list, float]:
 def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.Tensor,
           prompts: Sequence[torch.Tensor], *, ks: Sequence[int], batch_sizes: Sequence[int],
           max_new_tokens: int, temperature: float = 0.0, seed: int = 0, tokenizer=None,
-          impl: str | None = None, warmup: bool = True, log: Callable[[str], None] = print) -> dict:
+          impl: str | None = None, warmup: bool = True, log: Callable[[str], None] = print,
+          on_row: Callable[[list[dict]], None] | None = None) -> dict:
     """Acceptance and speedup for every ``(batch size, k)``.
 
     Args:
@@ -54,6 +55,8 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
         ks, batch_sizes: the grid (each >= 1).
         impl: ``speculative.generate``'s implementation, the target alone's path too
             (None: ``speculative.default_impl``).
+        on_row: called with the rows so far after each configuration (the CLI writes its
+            JSON there, so a sweep stopped by a time limit keeps what it measured).
 
     Returns ``{"rows": [...], "best": {b: row}}``; each row has ``batch_size``, ``k``,
     ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
@@ -99,5 +102,7 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
             log(f"  batch {b:>3} k {k}: acceptance length {length:.2f}, {row['tokens_per_s']:.1f} tokens/s, "
                 f"target alone {alone_tps:.1f}: speedup {row['speedup']:.2f}x"
                 + (f"; {row['identity']}" if "identity" in row else ""))
+            if on_row is not None:
+                on_row(rows)
         best[b] = max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
     return {"rows": rows, "best": best}
