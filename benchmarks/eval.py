@@ -1,4 +1,4 @@
-"""Speculative-decoding evaluation speed: ``speculative.evaluate``'s machinery (KV-cached
+"""Speculative-decoding evaluation speed: ``evaluation.evaluate``'s machinery (KV-cached
 target and draft, batched rows, rollback) on a random-weight target of a real shape,
 beside the target alone, in one process.
 
@@ -27,15 +27,15 @@ What one run does:
    ``cold_seconds`` / ``cold_target_seconds``), then, each timed after a device sync:
    ``evaluate`` (speculative decoding of every prompt in batches of ``--batch-size``,
    then the target alone on the same batches, ``target_generate``), and the same two
-   again instrumented: ``generate`` with a ``speculative.StageTimes`` (every stage
+   again instrumented: ``generate`` with an ``evaluation.StageTimes`` (every stage
    bracketed by device syncs), the target alone with every forward timed
    (``ForwardTimer``).
 
 ``--impl`` picks ``generate``'s implementation (default: ``static`` on CUDA, where each
 round's draft work is two CUDA-graph replays, recorded anew for every batch and every
 doubling of the draft's cache; ``dynamic`` elsewhere). The instrumented target alone
-times ``speculative._target_forward`` (transformers' ``DynamicCache``), so this
-benchmark names its impl to ``evaluate`` instead of taking ``speculative.default_impl``
+times ``evaluation.kv.target_forward`` (transformers' ``DynamicCache``), so this
+benchmark names its impl to ``evaluate`` instead of taking ``evaluation.default_impl``
 (``graph`` on CUDA: ``eagle3fn eval`` measures that path).
 
 Reported (JSON ``result``):
@@ -107,7 +107,7 @@ class EvalBenchArgs:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Target and draft dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
     impl: Literal["static", "dynamic"] | None = None
-    """``speculative.generate``'s implementation (default: its own for the device)."""
+    """``evaluation.generate``'s implementation (default: its own for the device)."""
     device: str = "cuda"
     """``cuda``, ``cuda:N`` or ``cpu``."""
     work_dir: str | None = None
@@ -158,13 +158,13 @@ def build(args: EvalBenchArgs):
 
 
 class ForwardTimer:
-    """Wraps ``speculative._target_forward``: every call bracketed by device syncs and
+    """Wraps ``evaluation.kv.target_forward``: every call bracketed by device syncs and
     timed; ``calls`` holds ``(tokens per row, ms)``."""
 
-    def __init__(self, spec, device):
+    def __init__(self, kv, device):
         import torch
 
-        self.spec, self.real, self.calls = spec, spec._target_forward, []
+        self.kv, self.real, self.calls = kv, kv.target_forward, []
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
         @functools.wraps(self.real)
@@ -178,18 +178,19 @@ class ForwardTimer:
         self.timed = timed
 
     def __enter__(self):
-        self.spec._target_forward = self.timed
+        self.kv.target_forward = self.timed
         return self
 
     def __exit__(self, *exc):
-        self.spec._target_forward = self.real
+        self.kv.target_forward = self.real
 
 
 def main(args: EvalBenchArgs) -> dict:
     """Build, warm up, time (module docstring); returns the JSON written to ``--out``."""
     import torch
 
-    import eagle3fn.speculative as spec
+    import eagle3fn.evaluation as spec
+    from eagle3fn.evaluation import kv
     from meta import run_metadata
 
     resolved = {k: v for k, v in asdict(args).items() if not (k == "out" and v is None)}
@@ -225,7 +226,7 @@ def main(args: EvalBenchArgs) -> dict:
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
 
     def instrumented(fn):
-        with ForwardTimer(spec, device) as timer:
+        with ForwardTimer(kv, device) as timer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t = time.perf_counter()

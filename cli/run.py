@@ -233,7 +233,7 @@ def _prompts(run: dict, tok, num_prompts: int | None) -> tuple[list[torch.Tensor
 
 
 def evaluate(args: EvalArgs) -> dict:
-    """Run ``eagle3fn eval``: print two lines and return ``speculative.evaluate``'s dict
+    """Run ``eagle3fn eval``: print two lines and return ``evaluation.evaluate``'s dict
     plus ``step`` (the draft's, 0 when untrained) and ``held_out`` (prompts kept out of
     training; True for ``--prompts``, which the run did not train on unless it is its
     data)."""
@@ -285,8 +285,8 @@ def evaluate(args: EvalArgs) -> dict:
 
 
 def _eval_one(args: EvalArgs, target, tok, run: dict, params: dict, prompts: list, label: str) -> dict:
-    """One (k, batch size): ``speculative.evaluate``'s dict, printed as two lines."""
-    from eagle3fn.speculative import SpecConfig, evaluate as run_eval
+    """One (k, batch size): ``evaluation.evaluate``'s dict, printed as two lines."""
+    from eagle3fn.evaluation import SpecConfig, evaluate as run_eval
 
     k, batch = args.num_draft_tokens[0], args.batch_size[0]
     spec_cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
@@ -313,8 +313,7 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
     """Every (batch size, k): ``evaluation.sweep``, printed as a table with the best k per
     batch size, and the acceptance length the training-time per-step accuracy implies
     (``simulated_acc`` of the target's own greedy texts) beside the measured one."""
-    from eagle3fn.evaluation import implied_acceptance_length, sweep
-    from eagle3fn.speculative import simulated_tau, target_generate, SpecConfig
+    from eagle3fn.evaluation import SpecConfig, implied_acceptance_length, simulated_tau, sweep, target_generate
 
     if not args.baseline:
         raise UsageError("--no-baseline with several --num-draft-tokens / --batch-size: a sweep "

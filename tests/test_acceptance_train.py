@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import eagle3fn.train.loop as loop
-from eagle3fn.speculative import SpecConfig, acceptance_stats, speculative_generate
+from eagle3fn.evaluation import SpecConfig, acceptance_stats, speculative_generate
 from eagle3fn.train import CHECKPOINT, METRICS, TrainConfig, load_run, train
 from eagle3fn.train.checkpoint import BEST
 from test_train import config, workdir  # noqa: F401 - the tiny target + data fixture

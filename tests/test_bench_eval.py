@@ -1,7 +1,7 @@
 """benchmarks/eval.py on the CPU: the tiny shape end to end (build, warm-up, the plain
 and the instrumented runs, the JSON and the table, both ``generate`` implementations,
 ``--dtype``), the split of its time into target forwards and overhead checked against
-the forward count, and ``speculative.StageTimes``: its stages add up to no more than
+the forward count, and ``evaluation.StageTimes``: its stages add up to no more than
 the wall time and count every round."""
 
 import json
@@ -50,17 +50,18 @@ def test_forward_timer_counts_every_target_forward(bench):
     per round), and restores the real function (control: the count without it is 0)."""
     import torch
 
-    import eagle3fn.speculative as spec
-    from test_speculative import make_draft, make_target
+    import eagle3fn.evaluation as spec
+    from eagle3fn.evaluation import kv
+    from spec_setup import make_draft, make_target
 
     target = make_target()
     params, cfg, d2t = make_draft(target)
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([9])]
-    real = spec._target_forward
-    with bench.ForwardTimer(spec, torch.device("cpu")) as timer:
+    real = kv.target_forward
+    with bench.ForwardTimer(kv, torch.device("cpu")) as timer:
         out = spec.generate(target, None, params, cfg, d2t, prompts, spec.SpecConfig(num_draft_tokens=2,
                                                                                      max_new_tokens=6))
-    assert spec._target_forward is real
+    assert kv.target_forward is real
     rounds = max(len(r.accepted_per_round) for r in out)  # the batch runs until its last row ends
     assert [n for n, _ in timer.calls] == [3] + [3] * rounds  # prefill of 3 tokens, then k + 1 = 3
     assert len(timer.calls) == 1 + rounds and all(ms > 0 for _, ms in timer.calls)
@@ -73,15 +74,16 @@ def test_stage_times_split_a_run(impl):
     the wall time."""
     import torch
 
-    import eagle3fn.speculative as spec
-    from test_speculative import make_draft, make_target
+    import eagle3fn.evaluation as spec
+    from eagle3fn.evaluation import kv
+    from spec_setup import make_draft, make_target
 
     target = make_target()
     params, cfg, d2t = make_draft(target)
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([9])]
     config = spec.SpecConfig(num_draft_tokens=2, max_new_tokens=6)
     stages = spec.StageTimes()
-    with bench_timer(spec) as calls:
+    with bench_timer(kv) as calls:
         out = spec.generate(target, None, params, cfg, d2t, prompts, config, impl=impl, stages=stages)
     assert stages.rounds == max(len(r.accepted_per_round) for r in out) == len(calls) - 1
     parts = (stages.prefill_s, stages.verify_s, stages.draft_context_s, stages.draft_chain_s)
@@ -89,20 +91,21 @@ def test_stage_times_split_a_run(impl):
     assert sum(parts) <= stages.total_s
 
 
-def bench_timer(spec):
-    """Records the target forwards of a ``generate`` (their token counts)."""
+def bench_timer(kv):
+    """Records the target forwards of a ``generate`` (their token counts): ``kv.target_forward``
+    wrapped while the context is open."""
     import contextlib
 
     @contextlib.contextmanager
     def recording():
-        calls, real = [], spec._target_forward
+        calls, real = [], kv.target_forward
 
         def counted(target, ids_BN, *a, **k):
             calls.append(ids_BN.shape[1])
             return real(target, ids_BN, *a, **k)
-        spec._target_forward = counted
+        kv.target_forward = counted
         try:
             yield calls
         finally:
-            spec._target_forward = real
+            kv.target_forward = real
     return recording()

@@ -1,4 +1,4 @@
-"""``speculative.generate(impl="graph")`` and its target-alone baseline
+"""``evaluation.generate(impl="graph")`` and its target-alone baseline
 (``evaluation.graphed``): the target on a ``decoding.StaticKVCache``, its verifying
 forward one CUDA graph on CUDA (eager here: the same code), held to independent oracles
 on tiny fp64 Llama targets:
@@ -27,30 +27,17 @@ import types
 import pytest
 import torch
 
+import eagle3fn.evaluation.cached_draft as cached_draft
 import eagle3fn.evaluation.graphed as graphed
-import eagle3fn.speculative as spec
+import eagle3fn.evaluation.kv as kv
+import eagle3fn.evaluation.static_draft as static_draft
 from eagle3fn.decoding.forward import cached_forward
 from eagle3fn.decoding.graphs import Graphed
-from eagle3fn.evaluation import sweep
+from eagle3fn.evaluation import SpecConfig, default_impl, evaluate, generate, sweep, target_generate
 from eagle3fn.io.target import target_features
-from eagle3fn.speculative import SpecConfig, default_impl, evaluate, generate, target_generate
-from test_eval_kv import PROMPTS, agreeing_pair
-from test_speculative import V, greedy, make_draft, make_target
-
-NEW = 14
+from spec_setup import NEW, PROMPTS, V, agreeing_pair, greedy, make_draft, references, target  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
-
-
-@pytest.fixture(scope="module")
-def references(target):
-    """Each prompt's greedy continuation (``model.generate``), past NEW for oracles."""
-    return [greedy(target, p, NEW + 8) for p in PROMPTS]
 
 
 class Oracle:
@@ -71,7 +58,7 @@ class Oracle:
                             for t in tokens])
             return torch.tensor(out), None
 
-        monkeypatch.setattr(spec._Draft, "chain", chain)
+        monkeypatch.setattr(cached_draft.Draft, "chain", chain)
 
     def run(self, target, batch_size, k, new=NEW, impl="graph", prompts=range(len(PROMPTS))):
         params, cfg, d2t = make_draft(target)
@@ -126,11 +113,11 @@ def test_capacity_is_exact(target, references, monkeypatch):
 
 
 def _agreeing_run(impl, monkeypatch, temperature=0.0):
-    """``test_eval_kv.agreeing_pair``'s target and draft on its four prompts, row 1
+    """``spec_setup.agreeing_pair``'s target and draft on its four prompts, row 1
     ending at an EOS only it emits, the draft's cache compacted every round:
     ``(tokens, accepted counts, references)``."""
     target, params, cfg, d2t = agreeing_pair()
-    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
     new, k = 24, 3
     refs = [greedy(target, p, new) for p in PROMPTS]
     eos = refs[1][15]
@@ -191,7 +178,7 @@ def test_graph_mode_protocol(monkeypatch):
     want = _agreeing_run("graph", monkeypatch)[:2]
     monkeypatch.setattr(graphed, "_use_graphs", lambda device, draft_device: True)
     monkeypatch.setattr(graphed, "Graphed", Replayed)
-    monkeypatch.setattr(spec, "_Graphed", Replayed)
+    monkeypatch.setattr(static_draft, "Graphed", Replayed)
     monkeypatch.setattr(Replayed, "recorded_fns", [])
     assert _agreeing_run("graph", monkeypatch)[:2] == want
     assert Replayed.recorded_fns.count("_greedy_round") == 1

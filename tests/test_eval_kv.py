@@ -1,4 +1,4 @@
-"""KV-cached, batched speculative decoding (``speculative.generate``) and the target-alone
+"""KV-cached, batched speculative decoding (``evaluation.generate``) and the target-alone
 baseline (``target_generate``), held to independent oracles on tiny fp64 Llama targets:
 
 - greedy, several prompts of different lengths per batch (left padding): each output
@@ -27,31 +27,18 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import eagle3fn.speculative as spec
-from eagle3fn.draft import DraftConfig, init_params
-from eagle3fn.io.target import load_target
-from eagle3fn.speculative import SpecConfig, evaluate, generate, speculative_generate, target_generate
-from test_speculative import V, greedy, make_draft, make_target
+import eagle3fn.evaluation.cached_draft as cached_draft
+import eagle3fn.evaluation.config as config
+import eagle3fn.evaluation.kv as kv
+import eagle3fn.evaluation.static_draft as static_draft
+import eagle3fn.evaluation.verify as verify
+from eagle3fn.evaluation import SpecConfig, evaluate, generate, speculative_generate, target_generate
+from spec_setup import NEW, PROMPTS, V, agreeing_pair, greedy, make_draft, references, target  # noqa: F401
 from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
-PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61], [44, 12])
-NEW = 14
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-IMPLS = pytest.mark.parametrize("impl", spec.IMPLS)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
-
-
-@pytest.fixture(scope="module")
-def references(target):
-    """Each prompt's greedy continuation (``model.generate``), k past NEW for oracles."""
-    return [greedy(target, p, NEW + 8) for p in PROMPTS]
+IMPLS = pytest.mark.parametrize("impl", config.IMPLS)
 
 
 def prompts():
@@ -64,7 +51,7 @@ def oracle_chain(monkeypatch, references, corrupt, seed=0):
     round are read from the chooser ``generate`` builds just before the chain."""
     rng = random.Random(seed)
     seen = {}
-    real_chooser = spec._draft_chooser
+    real_chooser = verify.draft_chooser
 
     def chooser(d2t, vocab, temperature, device, generators, rows):
         seen["rows"] = list(rows)
@@ -78,8 +65,8 @@ def oracle_chain(monkeypatch, references, corrupt, seed=0):
             out.append([(t + 1) % V if rng.random() < corrupt else t for t in tokens])
         return torch.tensor(out), None
 
-    monkeypatch.setattr(spec, "_draft_chooser", chooser)
-    monkeypatch.setattr(spec._Draft, "chain", chain)
+    monkeypatch.setattr(verify, "draft_chooser", chooser)
+    monkeypatch.setattr(cached_draft.Draft, "chain", chain)
 
 
 @IMPLS
@@ -103,7 +90,7 @@ def test_batched_rollback_every_acceptance_count(target, references, monkeypatch
     params, cfg, d2t = make_draft(target)
     oracle_chain(monkeypatch, references, corrupt=0.3)
     if compact:
-        monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+        monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
     k = 3
     run = lambda: generate(target, None, params, cfg, d2t, prompts(),  # noqa: E731
                            SpecConfig(num_draft_tokens=k, max_new_tokens=NEW), impl=impl)
@@ -113,7 +100,7 @@ def test_batched_rollback_every_acceptance_count(target, references, monkeypatch
     assert set(counts) == set(range(k + 1))
     assert len({len(r.accepted_per_round) for r in out}) > 1  # rows left at different rounds
     # Negative control: rejected slots left visible in the target's cache.
-    monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool))
+    monkeypatch.setattr(kv, "kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool))
     assert [r.tokens for r in run()] != [ref[:NEW] for ref in references]
 
 
@@ -122,13 +109,13 @@ def test_compaction_must_move_both_caches(target, references, monkeypatch, impl)
     """Negative control of compaction: reordering only the draft's cache is caught."""
     params, cfg, d2t = make_draft(target)
     oracle_chain(monkeypatch, references, corrupt=0.3, seed=2)
-    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
 
     def cut_only(cache, order):  # the target's slots cut to the new length, not reordered
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :order.shape[1]], layer.values[:, :, :order.shape[1]]
 
-    monkeypatch.setattr(spec, "_compact_target", cut_only)
+    monkeypatch.setattr(kv, "compact_target", cut_only)
     out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW),
                    impl=impl)
     assert [r.tokens for r in out] != [ref[:NEW] for ref in references]
@@ -148,8 +135,8 @@ def test_batched_sampling_equals_the_uncached_twin(target, monkeypatch, impl):
     assert [r.tokens for r in out] == [t.tokens for t in twins]
     assert [r.accepted_per_round for r in out] == [t.accepted_per_round for t in twins]
     assert len({n for t in twins for n in t.accepted_per_round}) >= 3
-    real = spec._cached_attend
-    monkeypatch.setattr(spec, "_cached_attend",
+    real = cached_draft.cached_attend
+    monkeypatch.setattr(cached_draft, "cached_attend",
                         lambda q, k, v, hidden, ok, ov: real(q, k, v, torch.zeros_like(hidden), ok, ov))
     out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(**cfg_, seed=4), impl=impl)
     assert [r.tokens for r in out] != [t.tokens for t in twins]
@@ -171,42 +158,6 @@ def test_batched_eos_rows_leave(target, references, impl):
     assert len(out[1].tokens) == references[1].index(eos) + 1 < NEW
 
 
-def agreeing_pair(dtype=torch.float64, device="cpu", vocab=V, hidden=32, layers=4, seed=0):
-    """A tiny Llama target and a real draft that often proposes what it will say.
-
-    Target: its head is its embedding plus noise (the greedy token tends to repeat the
-    current one, now and then moving on), its layers' outputs scaled up (the context
-    matters), its last layer a no-op, so the aux of layer ``layers - 2`` is its final
-    pre-norm hidden state. Draft (``Vd = V``): ``fc`` picks that aux, attention and MLP
-    add nothing, its norm and head are the target's: each step proposes the token the
-    target chose last, accepted as long as the target repeats it. Returns
-    ``(target, params, cfg, d2t)``."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False))
-    with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight + 0.5 * torch.randn_like(model.lm_head.weight))
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(2.0)
-            layer.mlp.down_proj.weight.mul_(2.0)
-        model.model.layers[-1].self_attn.o_proj.weight.zero_()
-        model.model.layers[-1].mlp.down_proj.weight.zero_()
-    target = load_target(model, aux_layer_ids=(0, 1, layers - 2), dtype=dtype, device=device)
-    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_heads=4, num_kv_heads=2, vocab_size=vocab,
-                      draft_vocab_size=vocab, target_hidden_size=hidden, rms_norm_eps=model.config.rms_norm_eps)
-    params = init_params(cfg, embed_tokens=target.embed_tokens, dtype=dtype, device=device, seed=seed)
-    with torch.no_grad():
-        params["fc.weight"].zero_()
-        params["fc.weight"][:, 2 * hidden:] = torch.eye(hidden, dtype=dtype, device=device)
-        params["midlayer.self_attn.o_proj.weight"].zero_()
-        params["midlayer.mlp.down_proj.weight"].zero_()
-        params["norm.weight"].copy_(target.model.model.norm.weight)
-        params["lm_head.weight"].copy_(target.lm_head.weight)
-    return target, params, cfg, torch.zeros(vocab, dtype=torch.long, device=device)
-
-
 def test_static_equals_dynamic_with_an_agreeing_draft(monkeypatch):
     """A real draft accepting every count 0..k, rows ending at different rounds (EOS),
     compaction every round: ``impl="static"`` gives the tokens and accepted counts of
@@ -214,7 +165,7 @@ def test_static_equals_dynamic_with_an_agreeing_draft(monkeypatch):
     static draft that continues from the wrong row after a round (one accepted position
     too early) changes the accepted counts, not the tokens."""
     target, params, cfg, d2t = agreeing_pair()
-    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
     new, k = 24, 3
     refs = [greedy(target, p.tolist(), new) for p in prompts()]
     eos = refs[1][15]  # a token only row 1 emits: it ends early
@@ -229,12 +180,12 @@ def test_static_equals_dynamic_with_an_agreeing_draft(monkeypatch):
     assert set(Counter(n for c in counts for n in c)) == set(range(k + 1))
     assert len({len(c) for c in counts}) > 1  # rows left at different rounds
     assert run("static") == (tokens, counts)
-    real_put = spec._StaticDraft.put
+    real_put = static_draft.StaticDraft.put
 
     def one_back(self, live, **inputs):  # row t one accepted position too early
         real_put(self, live, **dict(inputs, n=(inputs["n"] - 1).clamp_min(0)))
 
-    monkeypatch.setattr(spec._StaticDraft, "put", one_back)
+    monkeypatch.setattr(static_draft.StaticDraft, "put", one_back)
     wrong_tokens, wrong_counts = run("static")
     assert wrong_tokens == tokens and wrong_counts != counts
 
@@ -244,14 +195,14 @@ def test_static_cache_grows_and_errors(target, references, monkeypatch):
     the tokens of a large one; an unknown ``impl`` is refused by name."""
     params, cfg, d2t = make_draft(target)
     sizes = []
-    real_reserve = spec._StaticDraft.reserve
+    real_reserve = static_draft.StaticDraft.reserve
 
     def reserve(self, slots):
         real_reserve(self, slots)
         sizes.append(self.cap)
 
-    monkeypatch.setattr(spec, "_initial_capacity", lambda slots: 8)
-    monkeypatch.setattr(spec._StaticDraft, "reserve", reserve)
+    monkeypatch.setattr(static_draft, "initial_capacity", lambda slots: 8)
+    monkeypatch.setattr(static_draft.StaticDraft, "reserve", reserve)
     out = generate(target, None, params, cfg, d2t, prompts(), SpecConfig(num_draft_tokens=3, max_new_tokens=NEW),
                    impl="static")
     assert [r.tokens for r in out] == [ref[:NEW] for ref in references]

@@ -1,7 +1,7 @@
 """``eagle3fn.evaluation``: the greedy output check, the (k, batch size) sweep, and the
 acceptance length implied by training-time accuracy.
 
-Oracles: transformers' own greedy forward (identity), ``speculative.evaluate`` for one
+Oracles: transformers' own greedy forward (identity), ``evaluation.evaluate`` for one
 configuration (sweep), brute-force enumeration of acceptance patterns (implied length).
 Controls: a corrupted speculative output where the target is not in doubt is raised; a
 difference at an exact tie is not; a sweep whose greedy rounds depended on the batch
@@ -14,9 +14,10 @@ import json
 import pytest
 import torch
 
-from eagle3fn.evaluation import OutputMismatch, check_identity, implied_acceptance_length, sweep
-from eagle3fn.speculative import SpecConfig, evaluate, target_generate
-from test_speculative import make_draft, make_target
+from eagle3fn.evaluation import (
+    OutputMismatch, SpecConfig, check_identity, evaluate, implied_acceptance_length, sweep, target_generate,
+)
+from spec_setup import make_draft, make_target
 from test_train import workdir  # noqa: F401 - the tiny target + data fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")

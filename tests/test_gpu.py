@@ -305,27 +305,17 @@ def test_packed_flex_equals_unpacked(packed_batches, trim, monkeypatch):
 # --------------------------------------- speculative decoding: KV caches and CUDA graphs
 
 
-def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
-    """``speculative.generate(impl="static")`` on CUDA (each round's draft work replayed
-    from CUDA graphs, the target on transformers' DynamicCache) equals the target's own greedy generation
-    (``model.generate``) of every prompt token for token, fp32 with TF32 off, four
-    prompts of lengths 1 to 11 in one batch (left padding), with a real draft built to
-    agree often (``test_eval_kv.agreeing_pair``: every acceptance count 0..k), one row
-    ending early at an EOS, compaction every round; the eager ``impl="dynamic"`` gives
-    the same accepted counts; the two graphs are recorded once, not again in later
-    rounds. Negative control: a wrong rollback (the rejected slots of
-    every round left visible in the target's cache) is caught by the same comparison."""
-    import types
-
-    import eagle3fn.speculative as spec
-    from eagle3fn.speculative import SpecConfig, StageTimes, generate
-    from test_eval_kv import PROMPTS, agreeing_pair
+def _agreeing_on_cuda(new: int):
+    """``spec_setup.agreeing_pair`` in fp32 on CUDA with TF32 off, its four prompts, an
+    EOS only row 1 emits (after its 8th new token) and the tokens wanted: each prompt's
+    ``model.generate`` of ``new`` tokens, cut after that EOS. Returns ``(target, params,
+    cfg, d2t, prompts, eos, want)``."""
+    from spec_setup import PROMPTS, agreeing_pair
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     target, params, cfg, d2t = agreeing_pair(dtype=torch.float32, device="cuda")
     prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
-    new, k = 24, 3
     refs = []
     for p in prompts:
         out = target.model.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
@@ -333,7 +323,27 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
         refs.append(out[0, p.numel():].tolist())
     eos = next(t for t in refs[1][8:] if all(t not in r for r in refs[:1] + refs[2:]))
     want = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
-    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    return target, params, cfg, d2t, prompts, eos, want
+
+
+def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
+    """``evaluation.generate(impl="static")`` on CUDA (each round's draft work replayed
+    from CUDA graphs, the target on transformers' DynamicCache) equals the target's own greedy generation
+    (``model.generate``) of every prompt token for token, fp32 with TF32 off, four
+    prompts of lengths 1 to 11 in one batch (left padding), with a real draft built to
+    agree often (``spec_setup.agreeing_pair``: every acceptance count 0..k), one row
+    ending early at an EOS, compaction every round; the eager ``impl="dynamic"`` gives
+    the same accepted counts; the two graphs are recorded once, not again in later
+    rounds. Negative control: a wrong rollback (the rejected slots of
+    every round left visible in the target's cache) is caught by the same comparison."""
+    import types
+
+    from eagle3fn.decoding.graphs import Graphed
+    from eagle3fn.evaluation import SpecConfig, StageTimes, generate, kv
+
+    new, k = 24, 3
+    target, params, cfg, d2t, prompts, eos, want = _agreeing_on_cuda(new)
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
 
     def run(impl="static", stages=None):
         out = generate(target, types.SimpleNamespace(eos_token_id=eos), params, cfg, d2t, prompts,
@@ -341,13 +351,13 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
         return [r.tokens for r in out], [r.accepted_per_round for r in out]
 
     recordings = []
-    real_prepare = spec._Graphed.prepare
+    real_prepare = Graphed.prepare
 
     def counted(self):
         recordings.append(self.due)
         real_prepare(self)
 
-    monkeypatch.setattr(spec._Graphed, "prepare", counted)
+    monkeypatch.setattr(Graphed, "prepare", counted)
     stages = StageTimes()
     tokens, counts = run(stages=stages)
     # Two graphs (context update, chain) recorded once, replayed every round after: the
@@ -357,15 +367,15 @@ def test_speculative_greedy_equals_target_greedy_on_cuda(monkeypatch):
     assert {n for c in counts for n in c} == set(range(k + 1)), counts
     assert len({len(c) for c in counts}) > 1  # rows left at different rounds
     assert run("dynamic") == (tokens, counts)
-    monkeypatch.setattr(spec, "_kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool,
-                                                                   device=n.device))
+    monkeypatch.setattr(kv, "kept", lambda n, steps: torch.ones(n.shape[0], steps.shape[0], dtype=torch.bool,
+                                                                device=n.device))
     assert run()[0] != want
 
 
 def test_graph_path_equals_target_greedy_on_cuda(monkeypatch):
     """``impl="graph"`` (the default on CUDA, ``evaluation.graphed``): the target on a
     static cache, each round's verifying forward, acceptance and rollback one CUDA graph
-    beside the draft's two. fp32 with TF32 off, ``test_eval_kv.agreeing_pair``'s target and
+    beside the draft's two. fp32 with TF32 off, ``spec_setup.agreeing_pair``'s target and
     draft, one row ending at an EOS, the draft's cache compacted every round: the tokens
     are ``model.generate``'s, the accepted counts ``impl="static"``'s, three graphs
     recorded once; the target alone on the same path (``target_generate(impl="graph")``,
@@ -375,25 +385,14 @@ def test_graph_path_equals_target_greedy_on_cuda(monkeypatch):
     import types
 
     import eagle3fn.evaluation.graphed as graphed
-    import eagle3fn.speculative as spec
     from eagle3fn.decoding.graphs import Graphed
-    from eagle3fn.speculative import SpecConfig, StageTimes, default_impl, evaluate, generate, target_generate
-    from test_eval_kv import PROMPTS, agreeing_pair
+    from eagle3fn.evaluation import SpecConfig, StageTimes, default_impl, evaluate, generate, kv, target_generate
+    from spec_setup import agreeing_pair
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    target, params, cfg, d2t = agreeing_pair(dtype=torch.float32, device="cuda")
-    prompts = [torch.tensor(p, device="cuda") for p in PROMPTS]
     new, k = 24, 3
-    refs = []
-    for p in prompts:
-        out = target.model.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
-                                    max_new_tokens=new)
-        refs.append(out[0, p.numel():].tolist())
-    eos = next(t for t in refs[1][8:] if all(t not in r for r in refs[:1] + refs[2:]))
+    target, params, cfg, d2t, prompts, eos, want = _agreeing_on_cuda(new)
     tok = types.SimpleNamespace(eos_token_id=eos)
-    want = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in refs]
-    monkeypatch.setattr(spec, "COMPACT_SLACK", -10**6)
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
 
     def run(impl=None, stages=None):
         out = generate(target, tok, params, cfg, d2t, prompts, SpecConfig(num_draft_tokens=k, max_new_tokens=new),

@@ -1,4 +1,5 @@
-"""Speculative decoding (speculative.py) with tiny HF Llama targets built from config.
+"""Speculative decoding (``eagle3fn.evaluation``: the rules, the chain, the uncached twin)
+with tiny HF Llama targets built from config.
 
 Greedy output equals ``model.generate(do_sample=False)`` token for token for a random
 draft and for oracle drafts that are partly right (every acceptance count and the bonus
@@ -18,68 +19,23 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import eagle3fn.speculative as spec
-from eagle3fn.draft import DraftConfig, Eagle3Draft, init_params
-from eagle3fn.io.target import load_target
-from eagle3fn.shapes import Features
-from eagle3fn.speculative import (
+import eagle3fn.evaluation.chain as chain
+import eagle3fn.evaluation.twin as twin
+import eagle3fn.evaluation.verify as verify
+from eagle3fn.draft import Eagle3Draft
+from eagle3fn.evaluation import (
     Proposal, SpecConfig, acceptance_stats, evaluate, propose, residual_distribution,
     sample_from, simulated_tau, speculative_generate, verify_greedy, verify_sampled,
 )
+from eagle3fn.shapes import Features
 from eagle3fn.unrolled import backbone
-from eagle3fn.vocab import build_vocab_map
+from spec_setup import H, V, greedy, make_draft, make_target, target  # noqa: F401 - target: a fixture
 
-V, H, VD = 128, 32, 48
-AUX = (1, 3, 4)
 PROMPTS = ([5], [17, 3, 99, 42], [7, 7, 1, 64, 120, 33, 2, 9, 88, 15, 61])
 NEW = 16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_target(vocab=V, layers=8, aux=AUX, seed=0, constant=False):
-    """Tiny Llama in fp64 (no argmax near-ties between cached and uncached forwards).
-    ``constant``: final norm weight 0, so every logit is 0 and the greedy token is 0."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=None, pad_token_id=0))
-    if constant:
-        torch.nn.init.zeros_(model.model.norm.weight)
-    return load_target(model, aux_layer_ids=aux, dtype=torch.float64)
-
-
-def make_draft(target, vd=VD, seed=0, dtype=torch.float32, counts=None, zero_norm=False):
-    cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                      vocab_size=target.vocab_size, draft_vocab_size=vd, target_hidden_size=H)
-    g = torch.Generator().manual_seed(seed)
-    if counts is None:
-        counts = torch.randint(0, 100, (target.vocab_size,), generator=g)
-    d2t, _ = build_vocab_map(counts, vd)
-    params = init_params(cfg, embed_tokens=target.embed_tokens.float(), dtype=dtype, seed=seed)
-    with torch.no_grad():  # larger than the 0.02 init so every path of the layer matters
-        for name, p in params.items():
-            if name != "embed_tokens.weight":
-                scale = 0.3 if "norm" in name else 0.15
-                p.add_(torch.randn(p.shape, generator=g, dtype=dtype) * scale)
-        if zero_norm:
-            params["norm.weight"].zero_()  # logits all 0: the draft's argmax is draft id 0
-    return params, cfg, d2t
-
-
-def greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +69,7 @@ def oracle(references, corrupt=0.0, seed=0):
 def test_greedy_equals_target_generate(target, references, monkeypatch, k, draft):
     params, cfg, d2t = make_draft(target)
     if draft != "random":
-        monkeypatch.setattr(spec, "propose", oracle(references, corrupt=0.25, seed=k))
+        monkeypatch.setattr(twin, "propose", oracle(references, corrupt=0.25, seed=k))
     rounds = []
     for prompt in PROMPTS:
         out = speculative_generate(target, None, params, cfg, d2t, torch.tensor([prompt]),
@@ -131,9 +87,9 @@ def test_greedy_equals_target_generate(target, references, monkeypatch, k, draft
 def test_greedy_negative_control(target, references, monkeypatch):
     """An acceptance rule that keeps one draft token too many (off by one) is caught."""
     params, cfg, d2t = make_draft(target)
-    monkeypatch.setattr(spec, "propose", oracle(references, corrupt=0.5, seed=1))
-    real = spec.verify_greedy
-    monkeypatch.setattr(spec, "verify_greedy",
+    monkeypatch.setattr(twin, "propose", oracle(references, corrupt=0.5, seed=1))
+    real = twin.verify_greedy
+    monkeypatch.setattr(twin, "verify_greedy",
                         lambda z, d: (min(real(z, d)[0] + 1, len(d)), real(z, d)[1]))
     outs = [speculative_generate(target, None, params, cfg, d2t, torch.tensor([p]),
                                  SpecConfig(num_draft_tokens=3, max_new_tokens=NEW)).tokens
@@ -164,12 +120,12 @@ def test_greedy_stops_at_eos_like_generate(target, references):
 def test_perfect_and_useless_oracles(target, references, monkeypatch, k):
     params, cfg, d2t = make_draft(target)
     cfg_ = SpecConfig(num_draft_tokens=k, max_new_tokens=NEW)
-    monkeypatch.setattr(spec, "propose", oracle(references))
+    monkeypatch.setattr(twin, "propose", oracle(references))
     out = speculative_generate(target, None, params, cfg, d2t, torch.tensor([PROMPTS[2]]), cfg_)
     assert out.tokens == references[tuple(PROMPTS[2])][:NEW]
     assert out.acceptance_length == k + 1 and out.per_position_acceptance == [1.0] * k
     assert out.target_forwards == 1 + math.ceil((NEW - 1) / (k + 1))
-    monkeypatch.setattr(spec, "propose", oracle(references, corrupt=1.0))  # never the target's
+    monkeypatch.setattr(twin, "propose", oracle(references, corrupt=1.0))  # never the target's
     out = speculative_generate(target, None, params, cfg, d2t, torch.tensor([PROMPTS[2]]), cfg_)
     assert out.tokens == references[tuple(PROMPTS[2])][:NEW]
     assert out.acceptance_length == 1.0 and out.per_position_acceptance == [0.0] * k
@@ -243,12 +199,12 @@ def test_chain_is_the_ttt_unroll_of_the_last_row(monkeypatch):
 
     assert compare() < 1e-13
     with monkeypatch.context() as m:
-        rope = spec.rope_cos_sin
-        m.setattr(spec, "rope_cos_sin", lambda pos, *a: rope(pos.clamp_max(C - 1), *a))
+        rope = chain.rope_cos_sin
+        m.setattr(chain, "rope_cos_sin", lambda pos, *a: rope(pos.clamp_max(C - 1), *a))
         assert compare() > 1e-3
     with monkeypatch.context() as m:
-        attend = spec._attend
-        m.setattr(spec, "_attend", lambda q, kk, vv: attend(q, kk[:, :C], vv[:, :C]))
+        attend = chain.attend
+        m.setattr(chain, "attend", lambda q, kk, vv: attend(q, kk[:, :C], vv[:, :C]))
         assert compare() > 1e-3
 
 
@@ -287,7 +243,7 @@ WRONG_RESIDUALS = {
 def mixture(p, q):
     """The emitted token's exact distribution: accepted draft + rejected -> residual."""
     accept = torch.minimum(p, q)
-    return accept + (1 - accept.sum()) * spec.residual_distribution(p, q)
+    return accept + (1 - accept.sum()) * verify.residual_distribution(p, q)
 
 
 def test_mixture_is_the_target_distribution_exactly(monkeypatch):
@@ -300,7 +256,7 @@ def test_mixture_is_the_target_distribution_exactly(monkeypatch):
         assert torch.allclose(mixture(p, q), p, rtol=0, atol=1e-15)
     assert torch.equal(residual_distribution(P6, P6), P6)
     for wrong in WRONG_RESIDUALS.values():
-        monkeypatch.setattr(spec, "residual_distribution", wrong)
+        monkeypatch.setattr(verify, "residual_distribution", wrong)
         assert (mixture(P6, Q6) - P6).abs().max() > 0.05
 
 
@@ -333,7 +289,7 @@ def test_sampled_verification_is_distributed_as_the_target(monkeypatch):
     expect = float(torch.minimum(P6, Q6).sum())
     assert abs(rate - expect) < 4 * math.sqrt(expect * (1 - expect) / n)
     for name, wrong in WRONG_RESIDUALS.items():
-        monkeypatch.setattr(spec, "residual_distribution", wrong)
+        monkeypatch.setattr(verify, "residual_distribution", wrong)
         chi2, crit = chi2_test([a for a, _ in sample_round(2, n, seed=0)], P6)
         assert chi2 > crit, name
 
@@ -369,9 +325,9 @@ def bigram_world(monkeypatch, v=4, seed=0):
         return Proposal(tokens=torch.tensor(tokens), probs=torch.stack(probs),
                         hidden=torch.zeros(k, 1))
 
-    monkeypatch.setattr(spec, "_target_step", target_step)
-    monkeypatch.setattr(spec, "propose", fake_propose)
-    monkeypatch.setattr(spec, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(twin, "target_step", target_step)
+    monkeypatch.setattr(twin, "propose", fake_propose)
+    monkeypatch.setattr(twin, "check_inputs", lambda *a: None)
     fake = types.SimpleNamespace(model=types.SimpleNamespace(generation_config=None))
     return fake, z
 
@@ -410,7 +366,7 @@ def test_sampling_loop_is_distributed_as_the_target(monkeypatch):
     chi2, crit = chi2_test(samples, exact)
     assert chi2 < crit, (chi2, crit)
     assert chi2_test(samples, bigram_sequences(z, 1.0, first=2, length=new))[0] > crit
-    monkeypatch.setattr(spec, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     assert chi2_test([draw(s) for s in range(n)], exact)[0] > crit
 
 
@@ -437,7 +393,7 @@ def test_sampling_real_models_acceptance_rate(monkeypatch):
     assert abs(share - 0.5) < 4 * sigma
     assert run(20)[0] == run(20)[0] != run(20, seed=6)[0]
     with monkeypatch.context() as m:
-        m.setattr(spec, "residual_distribution", lambda p, q: p)
+        m.setattr(verify, "residual_distribution", lambda p, q: p)
         wrong_share = run()[1]
         assert wrong_share - 0.5 > 5 * sigma, wrong_share
     params, cfg, d2t = make_draft(target, vd=V, zero_norm=True)

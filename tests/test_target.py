@@ -143,7 +143,7 @@ def reference_streams(model, ids, attention, extra):
 def capture_hooks(model):
     """How many of eagle3fn's capture hooks are registered anywhere in ``model`` (HF
     installs hooks of its own lazily, so only ours are counted)."""
-    ours = (target_module._Capture.stream, target_module._Capture.norm)
+    ours = (target_module.FeatureCapture.stream, target_module.FeatureCapture.norm)
     hooks = [h for m in model.modules()
              for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
     return sum(getattr(getattr(h, "func", h), "__func__", None) in ours for h in hooks)

@@ -1,5 +1,5 @@
 """Speculative decoding and the target alone on one decoding path: a static KV cache and
-CUDA graphs for both (``speculative.generate(impl="graph")``, its default on CUDA).
+CUDA graphs for both (``generate(impl="graph")``, its default on CUDA).
 
 Legend: B rows (the batch's prompts; a finished row keeps its row), k draft tokens per
 round, K = k + 1 tokens verified per row, M target cache columns, V vocab, A*Ht aux
@@ -10,16 +10,16 @@ Target side: a ``decoding.StaticKVCache`` of B rows x M columns. Row b holds pos
 token is pending, not read yet). The prompts are prefilled together (``decoding.prefill``,
 left-padded, with aux) and loaded into columns ``0..L_b - 1``. One round::
 
-    chain    the draft's k steps from each row's last context row (``_StaticDraft.chain``)
+    chain    the draft's k steps from each row's last context row (``StaticDraft.chain``)
     verify   one target forward of [pending, d_1..d_k] ([B, K]) at positions
              n_b..n_b + k (``cached_forward``, the aux of the K positions), greedy
              acceptance on the device: n accepted, then the target's token; the
              rollback is ``n_b += n + 1`` (rejected columns are overwritten by the next
              round); the draft's inputs of the round are written in place
-    update   the K verified positions into the draft's cache (``_StaticDraft.update``)
+    update   the K verified positions into the draft's cache (``StaticDraft.update``)
     read     one host sync: each row's accepted count, token and proposals
 
-The draft side is ``speculative._StaticDraft``, fed exactly as ``impl="static"`` feeds it
+The draft side is ``static_draft.StaticDraft``, fed exactly as ``impl="static"`` feeds it
 (aux, next tokens, positions, accepted counts and kept slots of the K verified slots).
 On CUDA with greedy decoding chain, verify and update are each one CUDA-graph replay
 (``decoding.Graphed``), recorded once per batch (the draft's again when its cache
@@ -36,8 +36,8 @@ The target alone (``target_generate_graphed``) is ``decoding.generate``: the sam
 cache, prefill and ``cached_forward``, its ``[B, 1]`` decode step one CUDA-graph replay,
 on the same batches with the same ``max_new_tokens`` and EOS ids.
 
-This module reads ``speculative``'s private pieces (the draft, its static buffers,
-acceptance, emission) through the module at call time, until issue 36 moves them here.
+``kv``'s, ``verify``'s and ``static_draft``'s functions are read through their modules
+at call time (a test's control put in their place is the one run).
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ from typing import Sequence
 
 import torch
 
-from eagle3fn import speculative as spec
 from eagle3fn.decoding.forward import cached_forward, prefill
 from eagle3fn.decoding.generator import COLUMN_ALIGN, GenerateConfig, generate as decode
 from eagle3fn.decoding.graphs import Graphed
 from eagle3fn.decoding.static_cache import StaticKVCache
+from eagle3fn.evaluation import kv, static_draft, verify
+from eagle3fn.evaluation.config import eos_ids, prompt_list
+from eagle3fn.evaluation.results import SpecResult, emit, results
+from eagle3fn.evaluation.rounds import live_positions, setup
 from eagle3fn.io.target import TargetModel
 
 
@@ -113,7 +116,7 @@ class _Verifier:
     def _greedy_round(self) -> None:
         logits, aux = self._forward()
         proposal = self.state.tokens.to(self.token.device)
-        n, token = spec._verify(logits, proposal, None, 0.0, [], [])
+        n, token = verify.verify_batch(logits, proposal, None, 0.0, [], [])
         self._finish(aux, n, token)
 
     def _sampled_forward(self) -> None:
@@ -151,8 +154,8 @@ class _Verifier:
             return
         index = torch.tensor(live, device=self.token.device)
         probs = self.state.probs[index.cpu()]
-        n, token = spec._verify(self.logits[index], self.state.tokens.to(index.device)[index], probs,
-                                temperature, generators, live)
+        n, token = verify.verify_batch(self.logits[index], self.state.tokens.to(index.device)[index], probs,
+                                       temperature, generators, live)
         n_B = torch.zeros_like(self.n).index_copy_(0, index, n)
         token_B = self.token.clone().index_copy_(0, index, token)
         self._finish(self.aux, n_B, token_B)
@@ -198,31 +201,31 @@ def _prefill(target: TargetModel, prompts: list[torch.Tensor], M: int,
 
 @torch.no_grad()
 def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor], draft_cfg,
-                     d2t: torch.Tensor, prompts: list[torch.Tensor], cfg, stage) -> list:
-    """``speculative.generate`` with ``impl="graph"`` (module docstring): one
+                     d2t: torch.Tensor, prompts: list[torch.Tensor], cfg, stage) -> list[SpecResult]:
+    """``generation.generate`` with ``impl="graph"`` (module docstring): one
     ``SpecResult`` per prompt, the tokens and accepted counts of ``impl="static"``.
 
     Args:
-        prompts: int64 ``[L_i]`` each (``speculative._prompt_list``'s output).
-        cfg: ``SpecConfig``; stage: ``speculative._Stage`` (stage timings).
+        prompts: int64 ``[L_i]`` each (``config.prompt_list``'s output).
+        cfg: ``SpecConfig``; stage: ``timing.Stage`` (stage timings).
     """
-    k, temperature, device, eos, generators, pick, draft = spec._setup(target, tokenizer_or_none, draft_params,
-                                                                       draft_cfg, prompts, cfg)
+    k, temperature, device, eos, generators, pick, draft = setup(target, tokenizer_or_none, draft_params,
+                                                                 draft_cfg, prompts, cfg)
     B = len(prompts)
     rows = list(range(B))
     new: list[list[int]] = [[] for _ in rows]
     accepted: list[list[int]] = [[] for _ in rows]
     slots = [p.numel() for p in prompts]  # valid draft slots of each row (compaction rule)
-    choose = spec._draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
+    choose = verify.draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
     graph = _use_graphs(device, draft.device)
 
-    ids, valid, pos = spec._left_pad(prompts, device)
+    ids, valid, pos = kv.left_pad(prompts, device)
     with stage("prefill_s"):
         cache, logits, aux = _prefill(target, prompts, capacity(slots, cfg.max_new_tokens, k))
     token = pick(logits, rows)
     S = ids.shape[1]  # draft cache slots in use
-    state = spec._StaticDraft(draft, B, k, aux.shape[-1], choose, graph and temperature == 0,
-                              spec._initial_capacity(S + k + 1))
+    state = static_draft.StaticDraft(draft, B, k, aux.shape[-1], choose, graph and temperature == 0,
+                                     static_draft.initial_capacity(S + k + 1))
     with stage("draft_context_s"):
         dpos, dvalid = pos.to(draft.device), valid.to(draft.device)
         g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
@@ -233,7 +236,7 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
         new[b].append(t)
     was_live = rows
     while True:
-        live = spec._live(rows, new, cfg, eos, stage)
+        live = live_positions(rows, new, cfg, eos, stage)
         if not live:
             break
         if live != was_live:  # rows ended: they stop keeping anything
@@ -248,12 +251,12 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
         for b, (count, *_) in zip(live, host):
             slots[b] += count + 1
         # Mostly rolled back; finished rows count too, as compaction keeps their slots.
-        if S > 2 * max(slots) + spec.COMPACT_SLACK:
-            order = spec._compaction_order(state.valid[:, :S])
+        if S > 2 * max(slots) + kv.COMPACT_SLACK:
+            order = kv.compaction_order(state.valid[:, :S])
             state.compact(state.rows, order, S, order.shape[1])
             S = order.shape[1]
-        spec._emit(new, accepted, live, host, eos, cfg.max_new_tokens)
-    return spec._results(new, accepted, k)
+        emit(new, accepted, live, host, eos, cfg.max_new_tokens)
+    return results(new, accepted, k)
 
 
 def _round(state, verifier: _Verifier, S: int, k: int, live: list[int], temperature: float,
@@ -278,12 +281,12 @@ def target_generate_graphed(target: TargetModel, tokenizer_or_none, prompts: Seq
                             cfg) -> list[list[int]]:
     """The target alone on ``impl="graph"``'s path: ``decoding.generate`` (static cache,
     the ``[B, 1]`` decode step one CUDA-graph replay on CUDA) of the prompts as one batch,
-    ``cfg.max_new_tokens`` each, stopping at ``speculative``'s EOS ids: the new tokens of
+    ``cfg.max_new_tokens`` each, stopping at ``config.eos_ids``: the new tokens of
     each prompt, in prompt order. Greedy output equals ``target_generate``'s; sampling
     draws request i's uniforms from seed ``cfg.seed + i`` (``decoding.request_uniforms``),
     so its samples differ from ``target_generate``'s (same distribution)."""
-    prompts = spec._prompt_list(prompts)
-    eos = spec._eos_ids(target, tokenizer_or_none)
+    prompts = prompt_list(prompts)
+    eos = eos_ids(target, tokenizer_or_none)
     gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, batch_size=len(prompts), temperature=cfg.temperature,
                          seed=cfg.seed, eos_token_ids=tuple(sorted(eos)), prefill_tokens=PREFILL_TOKENS)
     out: list[list[int]] = [[] for _ in prompts]

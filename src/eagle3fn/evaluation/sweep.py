@@ -2,7 +2,7 @@
 
 For each batch size ``b`` the prompts are decoded in batches of ``b`` by the target
 alone (the speedup's denominator, timed once per ``b``) and, for each ``k``, by
-speculative decoding (``speculative.generate``), each timed after one untimed warm-up
+speculative decoding (``generation.generate``), each timed after one untimed warm-up
 batch (CUDA context, allocator blocks and graph recordings are not charged to the
 first timed configuration). The target alone runs on the decoding path of the
 implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
@@ -17,7 +17,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from eagle3fn.evaluation.baseline import target_generate
+from eagle3fn.evaluation.config import SpecConfig
+from eagle3fn.evaluation.generation import default_impl, generate
 from eagle3fn.evaluation.identity import check_identity
+from eagle3fn.evaluation.results import acceptance_stats
 
 
 def implied_acceptance_length(acc: Sequence[float], k: int) -> float:
@@ -50,11 +54,11 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
 
     Args:
         target: ``io.target.load_target``'s model; draft_params (embed included),
-            draft_cfg, d2t: the draft, as ``speculative.generate`` takes them.
+            draft_cfg, d2t: the draft, as ``generation.generate`` takes them.
         prompts: int64 ``[L_i]`` or ``[1, L_i]`` each.
         ks, batch_sizes: the grid (each >= 1).
-        impl: ``speculative.generate``'s implementation, the target alone's path too
-            (None: ``speculative.default_impl``).
+        impl: ``generation.generate``'s implementation, the target alone's path too
+            (None: ``generation.default_impl``).
         on_row: called with the rows so far after each configuration (the CLI writes its
             JSON there, so a sweep stopped by a time limit keeps what it measured).
 
@@ -63,8 +67,6 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
     ``tokens``, ``seconds``, ``tokens_per_s``, ``target_tokens_per_s``, ``speedup``, ``impl`` and
     (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k.
     """
-    from eagle3fn.speculative import SpecConfig, acceptance_stats, default_impl, generate, target_generate
-
     device = target.lm_head.weight.device
     impl = default_impl(target, draft_params) if impl is None else impl
     prompts = [p.reshape(-1).to(device) for p in prompts]

@@ -532,7 +532,7 @@ def compile_decoder_layers(target: TargetModel) -> TargetModel:
     eagerly around the compiled forward and read the same tensors as without it (a
     compiled ``__call__`` would trace the hooks, which change at every call). The
     compiled forwards are set on the layers only while ``target_features`` runs, so
-    other calls of ``target.model`` (the KV-cached decoding of ``speculative``) run
+    other calls of ``target.model`` (the KV-cached decoding of ``evaluation``) run
     eagerly.
 
     Args:
@@ -572,10 +572,12 @@ def _compiled_forwards(target: TargetModel):
                 layer.forward = before
 
 
-class _Capture:
+class FeatureCapture:
     """Hook state of one forward: the aux streams, copied into one ``[B, S, 3*Ht]``
     buffer at the moment layer ``i + 1`` reads them (so an in-place update of the stream
-    later in the forward cannot leak in), the final norm's output, and call counts."""
+    later in the forward cannot leak in), the final norm's output, and call counts.
+    ``target_features`` and ``evaluation.kv.target_forward`` hook its ``stream`` into a
+    forward."""
 
     def __init__(self, num_aux: int) -> None:
         self.aux: torch.Tensor | None = None
@@ -645,7 +647,7 @@ def target_features(
                          f"with input_ids of that shape {tuple(input_ids.shape)}; got model inputs "
                          f"{sorted(model_inputs)}: pass multimodal batches unpacked")
     backbone = target.backbone
-    capture = _Capture(len(target.aux_layer_ids))
+    capture = FeatureCapture(len(target.aux_layer_ids))
     handles = []
     try:
         for slot, i in enumerate(target.aux_layer_ids):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle3fn.evaluation import SpecConfig, acceptance_stats, generate
 from eagle3fn.parallel import Layout, all_reduce, collectives, shard_sequence
 from eagle3fn.rowmap import build_rowmap
-from eagle3fn.speculative import SpecConfig, acceptance_stats, generate
 from eagle3fn.train.sources import Source, batch_rowmap, device_supervised
 from eagle3fn.unrolled import TTTConfig, ttt
 
@@ -61,7 +61,7 @@ def evaluate_holdout(params: dict[str, torch.Tensor], source: Source, config: TT
 @torch.no_grad()
 def holdout_acceptance(target, params: dict[str, torch.Tensor], draft_cfg, d2t: torch.Tensor,
                        prompts: list[list[int]], *, num_draft_tokens: int, max_new_tokens: int) -> dict:
-    """Acceptance length of greedy speculative decoding (``speculative.generate``, KV
+    """Acceptance length of greedy speculative decoding (``evaluation.generate``, KV
     caches, all prompts in one batch) of ``prompts`` (token id lists) with the draft
     ``params`` (the whole dict, embedding included) and the target.
 
