@@ -52,7 +52,7 @@ class Proposal:
 class Chain(nn.Module):
     """``forward`` = the chain unroll of the last context row; run with
     ``functional_call`` on ``unrolled.skeleton`` (the same layer code as TTT; its
-    elementwise chains compiled on CUDA unless ``EAGLE3FN_COMPILE=0``)."""
+    elementwise chains compiled as ``unrolled.COMPILE_ELEMENTWISE_DEFAULT`` says)."""
 
     def __init__(self, draft: Eagle3Draft) -> None:
         super().__init__()
