@@ -102,7 +102,7 @@ def measure(args: AttnArgs) -> list[tuple]:
                     def step():
                         own = None if j == 0 else (diag[0][:j], diag[1][:j])
                         out = packed_flex_attention(q, rows, packed_keys(k0, v0), own, lengths, S,
-                                                    kernel_options=kernel_options)
+                                                    kernel_options=kernel_options, fused=True)
                         out.backward(torch.ones_like(out))
                     try:
                         ms, _, _ = cuda_timed(step, warmup=args.warmup, iters=args.iters)

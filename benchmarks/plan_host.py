@@ -1,12 +1,12 @@
 """Host time of planning one batch's steps (CPU, milliseconds): what the training thread
 spends per batch on index maths before the step runs, ``train.sources.batch_rowmap``
-(the row map built from the batch's host masks and sent) plus ``unrolled.layout._plan_steps``
+(the row map built from the batch's host masks and sent) plus ``unrolled.layout.plan_steps``
 (the flex path's packed layouts of the k steps, and under ``trim="backbone"`` the
 positions of each step's rows in the previous one's), with the features on the meta
 device as a GPU host has them (nothing is read from the device; the uploads cost their
 host side only).
 
-``_plan_steps`` is timed two ways in the same process on the same batches: ``new``, one
+``plan_steps`` is timed two ways in the same process on the same batches: ``new``, one
 batched pass over the k steps (``impl="batched"``, the library's), and ``old``, its
 per-step twin (``impl="per_step"``: ``packed_layout`` and a binary search per step, the
 construction before it); the benchmark first checks that both give the same tensors.
@@ -54,7 +54,7 @@ class Args(DataArgs):
     reps: int = 20
     """Timed passes over the batches."""
     threads: int = 1
-    """torch's intra-op threads during the run (``_plan_steps`` always runs on one,
+    """torch's intra-op threads during the run (``plan_steps`` always runs on one,
     ``runtime.one_thread``; one keeps ``batch_rowmap``'s small ops off OpenMP's wake-ups)."""
     out: str = "plan-host.json"
 
@@ -94,7 +94,7 @@ def packed_batches(args: Args, batch_size: int, length: int) -> list[tuple[objec
 
 
 def plan_tensors(plan) -> list[torch.Tensor]:
-    """Every host tensor of a ``_StepPlan`` kept on the host (the layouts' and
+    """Every host tensor of a ``StepPlan`` kept on the host (the layouts' and
     ``within`` / ``at``), in order."""
     lays = [t for lay in plan.layouts or [] if lay is not None for t in (lay.start, lay.last, *lay.tables)]
     return lays + [w for w in (plan.within or [])[1:]] + list(plan.at)
@@ -104,12 +104,12 @@ def check_same_plans(rowmap, trim: str, masks, query_buckets: int) -> None:
     """Raise unless the batched and per-step plans of the batch are the same tensors
     (planned on the host from the row map's host twin and the batch's host masks)."""
     from eagle3fn.shapes import Features
-    from eagle3fn.unrolled.layout import _plan_steps
+    from eagle3fn.unrolled.layout import plan_steps
 
     B, T = masks.attention_mask.shape
     host = Features(input_ids=masks.attention_mask, aux=torch.empty(B, T, 1), attention_mask=masks.attention_mask,
                     positions=masks.positions)
-    got = [plan_tensors(_plan_steps(rowmap.host.rowmap, trim, host, True, query_buckets, impl=impl))
+    got = [plan_tensors(plan_steps(rowmap.host.rowmap, trim, host, True, query_buckets, impl=impl))
            for impl in ("batched", "per_step")]
     if len(got[0]) != len(got[1]) or any(a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b)
                                          for a, b in zip(*got)):
@@ -120,7 +120,7 @@ def measure(args: Args, batch_size: int, length: int, trim: str) -> dict:
     """One row of the report: medians (ms per batch) and op counts for ``trim`` over the
     shape's batches."""
     from eagle3fn.train.sources import batch_rowmap
-    from eagle3fn.unrolled.layout import _plan_steps
+    from eagle3fn.unrolled.layout import plan_steps
 
     batches = packed_batches(args, batch_size, length)
     k, qb = args.ttt_length, args.query_buckets
@@ -135,7 +135,7 @@ def measure(args: Args, batch_size: int, length: int, trim: str) -> dict:
             times["rowmap"].append(time.perf_counter() - t0)
             for impl in ("batched", "per_step")[::1 if rep % 2 else -1]:
                 t0 = time.perf_counter()
-                _plan_steps(rm, trim, f, True, qb, impl=impl)
+                plan_steps(rm, trim, f, True, qb, impl=impl)
                 times[impl].append(time.perf_counter() - t0)
     ops = {}
     f, m = batches[0]
@@ -144,7 +144,7 @@ def measure(args: Args, batch_size: int, length: int, trim: str) -> dict:
     ops["rowmap"] = count.n
     for impl in ("batched", "per_step"):
         with _OpCount() as count:
-            _plan_steps(rowmaps[0], trim, f, True, qb, impl=impl)
+            plan_steps(rowmaps[0], trim, f, True, qb, impl=impl)
         ops[impl] = count.n
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     sup = [sum(r.numel() for r in rm.host.rowmap.rows) / (k * batch_size * length) for rm in rowmaps]

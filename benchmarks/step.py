@@ -206,7 +206,8 @@ def mesh_step(args, cfg, params, features, loss_mask, d2t, t2d):
         rm = build_rowmap(supervised_mask(loss_mask, features.attention_mask), args.ttt_length)
         whole = gather(sharded)
         out = ttt(whole, features, rm, config, d2t=d2t, t2d=t2d,
-                  collectives=collectives(layout, rm.denominator, device))
+                  collectives=collectives(layout, rm.denominator, device,
+                                          compile_elementwise=config.compile_elementwise))
         out.objective.backward()
         reduce_grads(sharded, whole)
         for p in sharded.values():

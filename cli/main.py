@@ -3,10 +3,11 @@ library; formatting of tables is the only thing done here."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 import tyro
@@ -172,6 +173,48 @@ COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "veri
             "version": (VersionArgs, version)}
 
 
+ENVIRONMENT = {
+    "EAGLE3FN_DEBUG": "``1``: a failed command shows its traceback (as ``--debug`` does).",
+    "EAGLE3FN_COMPILE": "``0``: the draft's elementwise chains and the diagonal merge run eagerly: "
+                        "``train`` runs with ``--ttt.no-compile-elementwise`` whatever the flag says, "
+                        "``plan`` plans the eager chains.",
+    "EAGLE3FN_CACHE": "Where the embedded default's converted SmolLM2 model is kept (default "
+                      "``~/.cache/eagle3fn``; read by ``io.smollm2.cache_dir`` when it converts).",
+}
+"""The environment variables eagle3fn reads. The CLI reads ``EAGLE3FN_DEBUG`` and
+``EAGLE3FN_COMPILE`` once, at start-up (``settings_from_environment``), and passes the
+values down; no module reads the environment at import. docs/reference/config.md lists
+them."""
+
+
+@dataclass(frozen=True)
+class EnvironmentSettings:
+    """What ``ENVIRONMENT`` sets for one command line."""
+
+    debug: bool = False
+    """Show the traceback of a failed command."""
+    compile_elementwise: bool = True
+    """False under ``EAGLE3FN_COMPILE=0``: ``TTTConfig.compile_elementwise`` off."""
+
+
+def settings_from_environment(environ: Mapping[str, str] | None = None) -> EnvironmentSettings:
+    """``ENVIRONMENT`` read from ``environ`` (default: the process environment)."""
+    environ = os.environ if environ is None else environ
+    return EnvironmentSettings(debug=environ.get("EAGLE3FN_DEBUG", "0") not in ("", "0"),
+                               compile_elementwise=environ.get("EAGLE3FN_COMPILE", "1") != "0")
+
+
+def with_settings(args, settings: EnvironmentSettings):
+    """``(args, run)``: the parsed config of one command with the environment's settings
+    applied, and the function that runs it."""
+    run_command = next(fn for config, fn in COMMANDS.values() if isinstance(args, config))
+    if isinstance(args, TrainConfig):
+        args.ttt.compile_elementwise = args.ttt.compile_elementwise and settings.compile_elementwise
+    elif isinstance(args, PlanArgs):
+        run_command = functools.partial(plan, compile_elementwise=settings.compile_elementwise)
+    return args, run_command
+
+
 # Errors shown as one line (no traceback): ours, and the standard ones our validation
 # raises or that name a path the user gave (a full disk, a missing or unreadable file).
 _USER_ERRORS = (Eagle3fnError, ValueError, OSError)
@@ -189,13 +232,15 @@ def main(argv: list[str] | None = None) -> None:
 
     Errors after argument parsing print ``eagle3fn: error: <message>`` (one line) and
     exit 2 (usage) or 1 (runtime); ``--debug`` anywhere on the command line, or
-    ``EAGLE3FN_DEBUG=1``, shows the traceback instead. Parse-time errors (a bad flag
+    ``EAGLE3FN_DEBUG=1``, shows the traceback instead (``ENVIRONMENT``: what the
+    environment switches, read here once). Parse-time errors (a bad flag
     value, a failed config check) are drawn by tyro and exit 2. A command stopped by
     SIGTERM / SIGINT after saving its work (``io.stop.Stopped``) prints ``stopped by
     SIGTERM at ...; rerun the same command to resume`` and exits 143 / 130.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("EAGLE3FN_DEBUG", "0") not in ("", "0")
+    settings = settings_from_environment()
+    debug = "--debug" in argv or settings.debug
     argv = [a for a in argv if a != "--debug"]
     if argv[:1] == ["--version"]:
         return version(VersionArgs())
@@ -206,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                     "(eagle3fn --version prints the version).",
         args=argv,
     )
-    command = next(run for config, run in COMMANDS.values() if isinstance(args, config))
+    args, command = with_settings(args, settings)
     try:
         command(args)
     except Stopped as stopped:  # SIGTERM / SIGINT after a save: not an error, 128 + the signal

@@ -134,7 +134,7 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str, layout_name: 
         rowmap = build_rowmap(sup, K, num_rows=num_rows)
         sharded = shard({n: p.detach().clone().requires_grad_(p.requires_grad)
                          for n, p in params.items()}, layout)
-        coll = collectives(layout, rowmap.denominator, torch.device("cpu"))
+        coll = collectives(layout, rowmap.denominator, torch.device("cpu"), compile_elementwise=True)
         if control == "local_denominator":  # the bug: dividing by this rank's B*C
             coll = dataclasses.replace(coll, denominator=rowmap.denominator)
         config = TTTConfig(draft=CFG, ttt_length=K, trim=trim, attention="eager", loss=loss)

@@ -220,27 +220,27 @@ def test_auto_takes_the_full_path_below_min_rows():
 
 @pytest.mark.parametrize("family", ["random30", "tail"])
 def test_host_plan_equals_per_step_index_maths(family):
-    """The index maths ``ttt`` now does once on the host (``_plan_steps``) equals what
+    """The index maths ``ttt`` now does once on the host (``plan_steps``) equals what
     each step derived on its own: the positions of step j's computed rows inside step
     j-1's and of rows_j inside step j's, and every step's packed FlexAttention layout.
     Negative control: the plan of another batch's row map differs."""
     B = 3
     f, lm, params, d2t, t2d = make_batch(family, B)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    plan = layout_module._plan_steps(rm, "backbone", f, flex=True)
+    plan = layout_module.plan_steps(rm, "backbone", f, flex=True)
     computed = computed_rows(rm)
     lengths = f.attention_mask.sum(1)
     for j, (c, r) in enumerate(zip(computed, rm.rows)):
         assert torch.equal(plan.at[j], torch.searchsorted(c, r))
         if j:
             assert torch.equal(plan.within[j], torch.searchsorted(computed[j - 1], c))
-        want = attention_module.packed_layout(c, lengths, S, attention_module._key_len(B * S))
+        want = attention_module.packed_layout(c, lengths, S, attention_module.padded_key_len(B * S))
         got = plan.layouts[j]
         assert got.num_queries == want.num_queries == c.numel()
         for x, y in zip((got.start, got.last, *got.tables), (want.start, want.last, *want.tables)):
             assert torch.equal(x, y)
     other = build_rowmap(supervised_mask(make_batch("single", B)[1], f.attention_mask), K)
-    wrong = layout_module._plan_steps(other, "backbone", f, flex=True)
+    wrong = layout_module.plan_steps(other, "backbone", f, flex=True)
     assert any(not torch.equal(a, b) for a, b in zip(wrong.at, plan.at))
 
 
@@ -259,24 +259,24 @@ def test_host_plan_survives_its_upload(monkeypatch, trim):
     B = 3
     f, lm, *_ = make_batch("random30", B)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    host = layout_module._plan_steps(rm, trim, f, flex=True)
+    host = layout_module.plan_steps(rm, trim, f, flex=True)
     monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)
     sent = []
     real = layout_module._upload
     monkeypatch.setattr(layout_module, "_upload", lambda ts, d: (sent.append(len(ts)), real(ts, d))[1])
-    moved = layout_module._plan_steps(rm, trim, f, flex=True)
+    moved = layout_module.plan_steps(rm, trim, f, flex=True)
     a, b = _plan_tensors(host), _plan_tensors(moved)
     assert sent and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     if trim != "backbone":
         assert all(lay is moved.layouts[0] for lay in moved.layouts)
         every = attention_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
-                                               attention_module._key_len(B * S))
+                                               attention_module.padded_key_len(B * S))
         assert all(torch.equal(x, y) for x, y in zip(
             (every.start, every.last, *every.tables), _plan_tensors(host)[:2 + len(every.tables)]))
         assert sent[0] == 2 + len(every.tables)  # one layout sent, not k
     rotated = lambda ts, d: (lambda out: out[1:] + out[:1])(real(ts, d))  # noqa: E731
     monkeypatch.setattr(layout_module, "_upload", rotated)
-    shuffled = _plan_tensors(layout_module._plan_steps(rm, trim, f, flex=True))
+    shuffled = _plan_tensors(layout_module.plan_steps(rm, trim, f, flex=True))
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, shuffled))
 
 
@@ -284,20 +284,20 @@ def test_packed_flex_attention_checks_its_layout():
     """A layout planned for another step's rows is refused, not silently padded."""
     f, lm, *_ = make_batch("random30", 2)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
-    plan = layout_module._plan_steps(rm, "backbone", f, flex=True)
+    plan = layout_module.plan_steps(rm, "backbone", f, flex=True)
     rows = computed_rows(rm)
     j = next(j for j in range(1, K) if rows[j].numel() != rows[0].numel())
     q = torch.zeros(rows[j].numel(), 2, 4)
     k0 = torch.zeros(2 * S, 1, 4)
     with pytest.raises(ValueError, match="layout is for"):
         attention_module.packed_flex_attention(q, rows[j], attention_module.packed_keys(k0, k0), None,
-                                               f.attention_mask.sum(1), S, plan.layouts[0])
+                                               f.attention_mask.sum(1), S, plan.layouts[0], fused=True)
 
 
 def test_host_plan_runs_on_one_thread(monkeypatch):
     """The host index maths runs with one intra-op thread (a thread pool's wake-up cost
     more than the small ops, docs/benchmarks.md) and gives the caller's count back,
-    also when it raises. Fails if ``_plan_steps`` loses its ``_one_thread``."""
+    also when it raises. Fails if ``plan_steps`` loses its ``_one_thread``."""
     f, lm, params, d2t, t2d = make_batch("random30", 2)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
     seen = []
@@ -307,7 +307,7 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        layout_module._plan_steps(rm, "backbone", f, flex=True)
+        layout_module.plan_steps(rm, "backbone", f, flex=True)
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
 
@@ -315,7 +315,7 @@ def test_host_plan_runs_on_one_thread(monkeypatch):
             raise RuntimeError("boom")
         monkeypatch.setattr(torch, "bincount", boom)
         with pytest.raises(RuntimeError, match="boom"):
-            layout_module._plan_steps(rm, "backbone", f, flex=True)
+            layout_module.plan_steps(rm, "backbone", f, flex=True)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

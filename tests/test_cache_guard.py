@@ -416,8 +416,8 @@ def test_fast_finite_check_agrees_with_isfinite(dtype):
     """``_all_finite`` (the reader's bit test) against ``torch.isfinite`` on every
     non-finite kind at rows in the first, a middle and the last chunk; a tensor
     with the largest finite values passes (the control that the bits test the
-    exponent, not magnitude), and ``_nonfinite_row`` names the row."""
-    from eagle3fn.io.cache.store import _all_finite, _nonfinite_row
+    exponent, not magnitude), and ``nonfinite_row`` names the row."""
+    from eagle3fn.io.cache.store import _all_finite, nonfinite_row
 
     g = torch.Generator().manual_seed(0)
     big = torch.full((40, 9), torch.finfo(dtype).max, dtype=dtype)
@@ -428,5 +428,5 @@ def test_fast_finite_check_agrees_with_isfinite(dtype):
             x = torch.randn(40, 3, 3, generator=g).to(dtype)
             x[row, 2, 1] = value
             assert _all_finite(x, rows=16) is False and not bool(torch.isfinite(x).all())
-            assert _nonfinite_row(x) == row
+            assert nonfinite_row(x) == row
     assert _all_finite(torch.zeros(3, dtype=torch.int64)) is None  # not a float: the slow path decides

@@ -153,3 +153,24 @@ def test_public_api_names_the_stages():
     assert eagle3fn.ttt is ttt and callable(eagle3fn.ttt) and not inspect.ismodule(eagle3fn.ttt)
     undocumented = [n for n in eagle3fn.__all__ if not inspect.getdoc(getattr(eagle3fn, n))]
     assert not undocumented, undocumented
+
+
+def test_eagle3fn_compile_0_reaches_train_and_plan(monkeypatch, capsys):
+    """``EAGLE3FN_COMPILE=0``, read once by the CLI (nothing reads it at import), turns
+    ``TTTConfig.compile_elementwise`` off for ``train`` (even beside the flag) and makes
+    ``plan`` plan the eager chains; unset, both keep the config's value (control)."""
+    from eagle3fn.cli.main import settings_from_environment, with_settings
+    from eagle3fn.train.config import TrainConfig, TTTOptions
+
+    off, unset = settings_from_environment({"EAGLE3FN_COMPILE": "0"}), settings_from_environment({})
+    assert with_settings(TrainConfig(), off)[0].ttt.compile_elementwise is False
+    assert with_settings(TrainConfig(ttt=TTTOptions(compile_elementwise=True)), off)[0].ttt.compile_elementwise is False
+    assert with_settings(TrainConfig(), unset)[0].ttt.compile_elementwise is True
+    assert with_settings(TrainConfig(ttt=TTTOptions(compile_elementwise=False)), unset)[0].ttt.compile_elementwise \
+        is False
+    lines = []
+    for value in ("0", "1"):
+        monkeypatch.setenv("EAGLE3FN_COMPILE", value)
+        main(["plan", "--seq-len", "512"])
+        lines.append(capsys.readouterr().out.splitlines()[0])
+    assert "eager elementwise" in lines[0] and "eager elementwise" not in lines[1], lines

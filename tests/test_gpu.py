@@ -154,7 +154,7 @@ def _ring_run(dtype, impl, upstream):
     leaves = [q, own[0], own[1]] + [t for k, v, _ in earlier for t in (k, v)] + [t for kv in diag for t in kv]
     for t in leaves:
         t.requires_grad_(True)
-    out = ring_block_attention(q, own, earlier, diag, impl)
+    out = ring_block_attention(q, own, earlier, diag, impl, fused=True)
     out.backward(upstream.to(dtype))
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -191,7 +191,7 @@ def _ring_peak(S: int) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = ring_block_attention(q, own, earlier, diag, "flex")
+    out = ring_block_attention(q, own, earlier, diag, "flex", fused=True)
     out.float().sum().backward()
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / 2**30

@@ -93,13 +93,13 @@ def test_planning_a_step_reads_no_device_tensor(batches, trim):  # noqa: F811
     meta = on_meta(f)
     rm = batch_rowmap(meta, HostMasks(m, f.attention_mask, f.positions), K)
     assert rm.teacher_positions.device.type == "meta" and rm.host.rowmap.teacher_positions.device.type == "cpu"
-    plan = layout_module._plan_steps(rm, trim, meta, flex=True)
+    plan = layout_module.plan_steps(rm, trim, meta, flex=True)
     assert all(layout is not None for layout in plan.layouts[:1])
     with pytest.raises((NotImplementedError, RuntimeError)):
         batch_rowmap(meta, m.to("meta"), K)
     no_twin = dataclasses.replace(rm, host=None)  # flex layouts need the lengths: read on the device
     with pytest.raises((NotImplementedError, RuntimeError)):
-            layout_module._plan_steps(no_twin, trim, meta, flex=True)
+            layout_module.plan_steps(no_twin, trim, meta, flex=True)
 
 
 def test_chunk_bounds_are_read_once_per_vocab_map():

@@ -109,7 +109,7 @@ def test_dispatch_and_packed_flex_forward(monkeypatch):
     rows = torch.tensor([0, 5, 6, 7, 120, 149, 150, 151, 200, 246])
     packed = packed_keys(flat(keys[0][0]), flat(keys[0][1]))
     diagonal = tuple(torch.stack([flat(kv_[i])[rows] for kv_ in keys[1:]]) for i in (0, 1))
-    got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C)
+    got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C, fused=True)
     assert calls, "the kernel path was not taken"
     assert rel_err(got, want[rows]) < 1e-5
 

@@ -320,9 +320,9 @@ def test_packed_flex_attention_equals_eager_with_documents(C, docs):
     packed = packed_keys(flat(keys[0][0]), flat(keys[0][1]))
     diagonal = tuple(torch.stack([flat(kv[i])[rows] for kv in keys[1:]]) for i in (0, 1))
     want = flat(eager_attention(q, keys, valid, starts))[rows]
-    got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C, starts_BC=starts)
+    got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C, starts_BC=starts, fused=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    blind = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C)
+    blind = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths, C, fused=True)
     assert not torch.allclose(blind, want, atol=1e-3)
 
 

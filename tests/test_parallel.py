@@ -115,7 +115,7 @@ def test_one_process_mesh_path_equals_plain_path():
                          for n, p in params.items()}, layout)
         whole = gather(sharded)
         got = ttt(whole, features, rowmap, config, d2t=d2t, t2d=t2d,
-                  collectives=collectives(layout, rowmap.denominator, torch.device("cpu")))
+                  collectives=collectives(layout, rowmap.denominator, torch.device("cpu"), compile_elementwise=True))
         got.objective.backward()
         reduce_grads(sharded, whole)
         assert torch.equal(got.objective, want.objective) and torch.equal(got.acc, want.acc)

@@ -1,4 +1,4 @@
-"""The host's planning of a batch's k steps in one batched pass (``layout._plan_steps``:
+"""The host's planning of a batch's k steps in one batched pass (``layout.plan_steps``:
 ``_host_layouts`` -> ``attention.packed_layouts``, ``_insides``) against the per-step
 construction it replaced: ``attention.packed_layout`` once per step and a binary search
 (``torch.searchsorted``) per step for ``within`` / ``at``. Bitwise: every tensor of every
@@ -85,12 +85,12 @@ def oracle(rowmap, trim: str, features: Features, flex: bool, query_buckets: int
     """The plan as each step built it alone: ``packed_layout`` of the step's computed
     rows (every row for none / loss, one layout shared), and the position of step j's
     computed rows in step j-1's and of rows_j in step j's by binary search (clamped,
-    as ``_inside`` documents)."""
+    as ``rows_inside`` documents)."""
     twin = rowmap if rowmap.host is None else rowmap.host.rowmap
     B, C = rowmap.batch_size, rowmap.num_rows
     lengths = features.attention_mask[:, :C].sum(1)
     starts = document_starts(features.positions[:, :C]) if features.positions is not None else None
-    Lp = attention_module._key_len(B * C)
+    Lp = attention_module.padded_key_len(B * C)
     lay = lambda rows: attention_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)  # noqa: E731
     inside = lambda a, b: torch.searchsorted(a, b).clamp_max(max(a.numel() - 1, 0))  # noqa: E731
     if trim != "backbone":
@@ -103,7 +103,7 @@ def oracle(rowmap, trim: str, features: Features, flex: bool, query_buckets: int
 
 
 def differences(plan, want) -> list[str]:
-    """What differs between a ``_StepPlan`` and ``oracle``'s plan (empty: bitwise equal)."""
+    """What differs between a ``StepPlan`` and ``oracle``'s plan (empty: bitwise equal)."""
     computed, layouts, within, at = want
     out = []
 
@@ -153,14 +153,14 @@ def _rowmap(name: str, device_built: bool = False):
 @pytest.mark.parametrize("trim", ["none", "loss", "backbone"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_batched_plan_equals_the_per_step_one(name, trim):
-    """``_plan_steps`` (batched) and its ``per_step`` twin both equal the per-step oracle,
+    """``plan_steps`` (batched) and its ``per_step`` twin both equal the per-step oracle,
     bitwise, on the host twin's path; for none / loss every step shares one layout. The
     batched plan kept on the host owns its tensors (compiled attention on the CPU guards
     a view's base: tests/test_stable_shapes.py)."""
     f, rm, qb = _rowmap(name)
     want = oracle(rm, trim, f, True, qb)
     for impl in ("batched", "per_step"):
-        plan = layout_module._plan_steps(rm, trim, f, True, qb, impl=impl)
+        plan = layout_module.plan_steps(rm, trim, f, True, qb, impl=impl)
         assert differences(plan, want) == [], (impl, differences(plan, want)[:5])
         if trim != "backbone":
             assert all(lay is plan.layouts[0] for lay in plan.layouts)
@@ -182,7 +182,7 @@ def test_batched_plan_of_a_device_built_rowmap(name, trim):
     the plan downloads what it needs) plans the same; also without flex layouts."""
     f, rm, qb = _rowmap(name, device_built=True)
     for flex in (True, False):
-        plan = layout_module._plan_steps(rm, trim, f, flex, qb)
+        plan = layout_module.plan_steps(rm, trim, f, flex, qb)
         assert differences(plan, oracle(rm, trim, f, flex, qb)) == []
 
 
@@ -190,7 +190,7 @@ def test_batched_plan_survives_its_upload(monkeypatch):
     """Sent as a GPU batch gets it (forced on the CPU): the same tensors as the oracle."""
     f, rm, qb = _rowmap("realistic")
     monkeypatch.setattr(layout_module, "_sends_plan", lambda device: True)
-    plan = layout_module._plan_steps(rm, "backbone", f, True, qb)
+    plan = layout_module.plan_steps(rm, "backbone", f, True, qb)
     assert differences(plan, oracle(rm, "backbone", f, True, qb)) == []
 
 
@@ -211,7 +211,7 @@ def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets, q_ta
     lists.append(torch.arange(B * C))
     pos = (torch.arange(C) % 70).repeat(B, 1)
     starts = document_starts(pos) if packed else None
-    Lp = attention_module._key_len(B * C)
+    Lp = attention_module.padded_key_len(B * C)
     lengths = torch.tensor(lengths)
     for chosen in (lists, lists[-1:], lists[2:4]):
         got = attention_module.packed_layouts(chosen, lengths, C, Lp, query_buckets, starts)
@@ -222,14 +222,14 @@ def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets, q_ta
 
 
 def _one(layout):
-    return layout_module._StepPlan([layout], None, None, [])
+    return layout_module.StepPlan([layout], None, None, [])
 
 
 @pytest.fixture
 def realistic():
     f, rm, qb = _rowmap("realistic")
     want = oracle(rm, "backbone", f, True, qb)
-    assert differences(layout_module._plan_steps(rm, "backbone", f, True, qb), want) == []
+    assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want) == []
     return f, rm, qb, want
 
 
@@ -243,7 +243,7 @@ def test_a_step_shifted_by_one_row_is_caught(realistic, monkeypatch):
         rows[2] = (rows[2] + 1).clamp_max(rm.batch_size * rm.num_rows - 1)
         return real(rows, *args)
     monkeypatch.setattr(layout_module, "packed_layouts", shifted)
-    assert differences(layout_module._plan_steps(rm, "backbone", f, True, qb), want)
+    assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
 
 
 def test_windows_not_restarted_per_step_are_caught(realistic, monkeypatch):
@@ -253,7 +253,7 @@ def test_windows_not_restarted_per_step_are_caught(realistic, monkeypatch):
     real = attention_module._per_segment
     monkeypatch.setattr(attention_module, "_per_segment",
                         lambda values, counts, device: real([[v[0]] * len(v) for v in values], counts, device))
-    assert differences(layout_module._plan_steps(rm, "backbone", f, True, qb), want)
+    assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
 
 
 def test_a_wrong_step_offset_is_caught(realistic, monkeypatch):
@@ -261,7 +261,7 @@ def test_a_wrong_step_offset_is_caught(realistic, monkeypatch):
     f, rm, qb, want = realistic
     real = attention_module._offsets
     monkeypatch.setattr(attention_module, "_offsets", lambda sizes: real(sizes)[:-1] + [real(sizes)[-1] + 1])
-    assert differences(layout_module._plan_steps(rm, "backbone", f, True, qb), want)
+    assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
 
 
 def test_within_from_the_wrong_step_is_caught(realistic, monkeypatch):
@@ -270,11 +270,11 @@ def test_within_from_the_wrong_step_is_caught(realistic, monkeypatch):
     real = layout_module._insides
     monkeypatch.setattr(layout_module, "_insides", lambda outer, pairs, size: real(
         outer, [(0, inner) for _, inner in pairs], size))
-    found = differences(layout_module._plan_steps(rm, "backbone", f, True, qb), want)
+    found = differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
     assert found and all(d.startswith(("within", "at")) for d in found)
 
 
 def test_plan_impl_is_checked():
     f, rm, qb = _rowmap("b1-off-grid")
     with pytest.raises(ValueError, match="impl must be"):
-        layout_module._plan_steps(rm, "loss", f, True, qb, impl="fast")
+        layout_module.plan_steps(rm, "loss", f, True, qb, impl="fast")

@@ -74,7 +74,7 @@ def test_block_attention_equals_dense_oracle(impl, own_n, earlier_n, num_diag):
     NaN."""
     q, own, earlier, diag = make(own_n, earlier_n, num_diag)
     with torch.no_grad():
-        got = ring_block_attention(q, own, earlier, diag, impl)
+        got = ring_block_attention(q, own, earlier, diag, impl, fused=True)
     want = dense_oracle(q, own, earlier, diag)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -86,7 +86,7 @@ def test_flex_rows_that_see_nothing_are_zero():
     averages the values there instead; such rows carry no loss)."""
     q, own, earlier, diag = make([200, 0], [[200, 0]], 0)
     with torch.no_grad():
-        got = ring_block_attention(q, own, earlier, diag, "flex")
+        got = ring_block_attention(q, own, earlier, diag, "flex", fused=True)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     torch.testing.assert_close(got[0], dense_oracle(q, own, earlier, diag)[0], rtol=1e-12, atol=1e-12)
 
@@ -109,7 +109,8 @@ def test_sequence_parallel_attention_flex_equals_eager_through_ttt(monkeypatch):
                     ulysses_rank=0)
 
     def run(impl):
-        coll = Collectives(attend=seqpar.SequenceParallelAttention(layout, impl=impl), reduce_terms=list,
+        coll = Collectives(attend=seqpar.SequenceParallelAttention(layout, impl=impl, compile_elementwise=True),
+                           reduce_terms=list,
                            denominator=rm.denominator)
         with torch.no_grad():
             return ttt(params, f, rm, TTTConfig(draft=CFG, ttt_length=K, trim="backbone"), d2t=d2t, t2d=t2d,
@@ -131,7 +132,7 @@ def test_flex_negative_controls(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(seqpar, "merge_blocks", lambda o, lse, o_t, lse_t: (o, lse))
         with torch.no_grad():
-            dropped = ring_block_attention(q, own, earlier, diag, "flex")
+            dropped = ring_block_attention(q, own, earlier, diag, "flex", fused=True)
     assert (dropped - want).abs().max() > 1e-2
     with monkeypatch.context() as m:  # every own key visible: the layout's window to the block's end
         real = seqpar.packed_layout
@@ -144,7 +145,7 @@ def test_flex_negative_controls(monkeypatch):
                                                            layout.num_queries, key_len))
         m.setattr(seqpar, "packed_layout", acausal)
         with torch.no_grad():
-            future = ring_block_attention(q, own, earlier, diag, "flex")
+            future = ring_block_attention(q, own, earlier, diag, "flex", fused=True)
     assert (future - want).abs().max() > 1e-2
 
 
@@ -154,8 +155,8 @@ def test_block_attention_refuses_bad_input():
     holes = own[2].clone()
     holes[0, 5] = False
     with pytest.raises(ValueError, match="right-padded"):
-        ring_block_attention(q, (own[0], own[1], holes), impl="flex")
+        ring_block_attention(q, (own[0], own[1], holes), impl="flex", fused=True)
     with pytest.raises(ValueError, match="impl"):
-        ring_block_attention(q, own, impl="dense")
+        ring_block_attention(q, own, impl="dense", fused=True)
     with pytest.raises(ValueError, match="impl"):
-        seqpar.SequenceParallelAttention(layout=None, impl="dense")
+        seqpar.SequenceParallelAttention(layout=None, impl="dense", compile_elementwise=True)

@@ -398,13 +398,13 @@ def test_packed_flex_against_exact_with_negative_control(C, lengths, pattern):
         want = flat(eager_attention(q, keys[: j + 1], valid))[rows]
         diagonal = None if j == 0 else tuple(
             torch.stack([flat(kv[i])[rows] for kv in keys[1: j + 1]]) for i in (0, 1))
-        got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths_t, C)
+        got = packed_flex_attention(flat(q)[rows], rows, packed, diagonal, lengths_t, C, fused=True)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Negative controls: one diagonal step missing; queries at rows shifted by one.
     wrong = packed_flex_attention(flat(q)[rows], rows, packed, tuple(x[:-1] for x in diagonal),
-                                  lengths_t, C)
+                                  lengths_t, C, fused=True)
     assert not torch.allclose(wrong, want, atol=1e-3)
-    shifted = packed_flex_attention(flat(q)[rows], (rows - 1).clamp_min(0), packed, diagonal, lengths_t, C)
+    shifted = packed_flex_attention(flat(q)[rows], (rows - 1).clamp_min(0), packed, diagonal, lengths_t, C, fused=True)
     assert not torch.allclose(shifted, want, atol=1e-3)
 
 
@@ -546,5 +546,5 @@ def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
     S, rows = 8, torch.arange(8)
     k0 = torch.randn(S, 1, 4)
     ttt_module.packed_flex_attention(torch.randn(S, 2, 4), rows, ttt_module.packed_keys(k0, k0),
-                                     None, torch.tensor([S]), S, kernel_options=hook)
+                                     None, torch.tensor([S]), S, kernel_options=hook, fused=True)
     assert seen == [options]

@@ -16,6 +16,7 @@ import types
 import typing
 from pathlib import Path
 
+from eagle3fn.cli.main import ENVIRONMENT
 from eagle3fn.cli.run import EvalArgs, ExportArgs
 from eagle3fn.cli.synth import SynthesizeArgs
 from eagle3fn.train.config import PRESETS, TrainConfig
@@ -75,6 +76,7 @@ def render() -> str:
     presets = "\n".join(
         f"| `{name}` | {' '.join(f'`--{k}'.replace('_', '-') + f' {v}`' for k, v in fn().items())} | "
         f"{' '.join(inspect.getdoc(fn).split())} |" for name, fn in PRESETS.items())
+    environment = "\n".join(f"| `{name}` | {text} |" for name, text in ENVIRONMENT.items())
     return f"""# Configuration reference
 
 Generated from the config dataclasses by `python docs/reference/generate.py` (a test
@@ -110,6 +112,16 @@ Training data from the target itself (docs/how-to/make-training-data.md). `eagle
 regenerate` is `synthesize --prompts` under its old name, with its old flags.
 
 {_table(SynthesizeArgs)}
+
+## Environment variables
+
+The CLI reads the first two once, at start-up, and passes their values down as
+settings (`eagle3fn.cli.main.ENVIRONMENT`); no module reads the environment when it is
+imported.
+
+| variable | effect |
+|---|---|
+{environment}
 """
 
 

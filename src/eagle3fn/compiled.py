@@ -12,13 +12,14 @@ and 1 (one block) as constants.
 Inductor itself adds guards where it decides by size: its "mix-order reduction" (the
 fused row and column reductions of an RMSNorm's backward) is taken only above size
 thresholds (rows >= 4096, rows >= 2 * columns, rows * columns >= 5 Mi), and each
-threshold is a guard that a batch on its other side breaks (seen on an H200: 3
-recompilations after warm-up in a run whose batches crossed 8192 rows). ``INDUCTOR_OPTIONS``
+threshold is a guard that a batch on its other side breaks (a run whose batches cross
+a threshold recompiles after warm-up). ``INDUCTOR_OPTIONS``
 turns on its non-strict mode, which skips those checks (the fused kernel at any size),
 so the one graph holds for every length.
 
 ``compile_on_cpu`` (tests only) makes CPU tensors take the compiled paths too, with a
-chosen dynamo backend, for the duration of a ``with`` block.
+chosen dynamo backend, for the duration of a ``with`` block (a context variable: the
+setting is scoped to the block and to the calling thread's context, never global).
 
 A bottom module: it imports nothing of eagle3fn.
 """
@@ -26,13 +27,14 @@ A bottom module: it imports nothing of eagle3fn.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 
 import torch
 
-_CPU_BACKEND: str | None = None
-"""The dynamo backend CPU tensors are compiled with (``compile_on_cpu``); None: CPU
+CPU_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("eagle3fn_cpu_backend", default=None)
+"""The dynamo backend CPU tensors are compiled with inside ``compile_on_cpu``; None: CPU
 tensors run eagerly (the default)."""
 
 
@@ -52,7 +54,7 @@ def compile_backend(device: torch.device) -> str | None:
     ``"inductor"`` on CUDA; on the CPU None (eager), or ``compile_on_cpu``'s backend."""
     if device.type == "cuda":
         return "inductor"
-    return _CPU_BACKEND if device.type == "cpu" else None
+    return CPU_BACKEND.get() if device.type == "cpu" else None
 
 
 @contextlib.contextmanager
@@ -62,12 +64,11 @@ def compile_on_cpu(backend: str = "aot_eager"):
     ``backend``: what a test without a GPU needs to see dynamo's guards, hence the
     recompilations a CUDA run would have. Not for training: ``aot_eager`` is slower than
     eager, and FlexAttention refuses a backward on the CPU (a test lifts that check)."""
-    global _CPU_BACKEND
-    before, _CPU_BACKEND = _CPU_BACKEND, backend
+    token = CPU_BACKEND.set(backend)
     try:
         yield
     finally:
-        _CPU_BACKEND = before
+        CPU_BACKEND.reset(token)
 
 
 DYNAMO_CACHE_SIZE_LIMIT = 64

@@ -61,7 +61,7 @@ def _block_max(z, cols, V):
 
 
 @triton.jit
-def _to_output(x, dtype: tl.constexpr):
+def to_output(x, dtype: tl.constexpr):
     """fp32 ``x`` in ``dtype``, rounded to nearest even."""
     if dtype == tl.bfloat16:
         # Rounded by hand because the interpreter truncates fp32 -> bf16; the GPU's
@@ -169,7 +169,7 @@ def _soft_ce_bwd_kernel(
             y = tl.load(y_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
             p = tl.exp(y - lse_draft)
             dz = g * (tl.exp(z - lse) * mass - p)
-            tl.store(dz_row + cols, _to_output(dz, dlogits_ptr.dtype.element_ty), mask=inside)
+            tl.store(dz_row + cols, to_output(dz, dlogits_ptr.dtype.element_ty), mask=inside)
     else:
         zero = tl.zeros([BLOCK_V], dtype=dlogits_ptr.dtype.element_ty)
         for start in range(0, V, BLOCK_V):

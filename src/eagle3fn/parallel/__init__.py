@@ -11,7 +11,8 @@ One batch on one rank of any layout::
     rowmap = build_rowmap(sup, k, num_rows=C)
     whole = gather(sharded)
     obj = ttt(whole, local, rowmap, config, d2t=d2t, t2d=t2d,
-              collectives=collectives(layout, rowmap.denominator, device))
+              collectives=collectives(layout, rowmap.denominator, device, config.attention,
+                                      compile_elementwise=config.compile_elementwise))
     obj.objective.backward()
     reduce_grads(sharded, whole)   # sharded grads = the one-rank gradient
 """

@@ -27,7 +27,7 @@ from einops import rearrange, repeat
 from eagle3fn.errors import UsageError
 from eagle3fn.parallel.mesh import Layout
 from eagle3fn.shapes import Features, StepTerms
-from eagle3fn.unrolled import (COMPILE_ELEMENTWISE_DEFAULT, Collectives, PackedLayout, block_tables,
+from eagle3fn.unrolled import (Collectives, PackedLayout, block_tables,
                                merge_blocks, merge_diagonal_as, pack_queries, packed_flex_attention,
                                packed_keys, packed_layout)
 
@@ -226,7 +226,7 @@ def ring_block_attention(q: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor,
                          diag: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), impl: str = "eager",
                          cache: dict | None = None, *,
                          kernel_options: tuple[tuple[str, object], ...] | None = None,
-                         fused: bool = COMPILE_ELEMENTWISE_DEFAULT) -> torch.Tensor:
+                         fused: bool) -> torch.Tensor:
     """The EAGLE-3 step attention of one (super-)chunk's queries over its own step-0 keys
     (causal), the step-0 keys of earlier chunks (in full) and each row's diagonal keys,
     merged by log-sum-exp: the local part of ``SequenceParallelAttention``, with no
@@ -299,7 +299,7 @@ def _flex_blocks(q, own, earlier, diag, cache, kernel_options, fused):
     out = lse = None
     for keys, lengths, layout in cache["blocks"]:
         o_t, lse_t = packed_flex_attention(q_N, rows, keys, None, lengths, S, layout, return_lse=True,
-                                           q_packed=q_packed, kernel_options=kernel_options)
+                                           q_packed=q_packed, kernel_options=kernel_options, fused=fused)
         if out is None:
             out, lse = o_t, lse_t
         else:
@@ -331,7 +331,7 @@ class SequenceParallelAttention:
 
     def __init__(self, layout: Layout, impl: str = "auto", *,
                  kernel_options: tuple[tuple[str, object], ...] | None = None,
-                 compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> None:
+                 compile_elementwise: bool) -> None:
         if impl not in ("auto", "eager", "flex"):
             raise ValueError(f"impl must be 'auto', 'eager' or 'flex', got {impl!r}")
         self.layout = layout
@@ -416,7 +416,7 @@ def reduce_terms(terms: Sequence[StepTerms], group=None) -> list[StepTerms]:
 
 def collectives(layout: Layout, denominator: int, device: torch.device,
                 attention: str = "auto", *, kernel_options: tuple[tuple[str, object], ...] | None = None,
-                compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> Collectives:
+                compile_elementwise: bool) -> Collectives:
     """The ``Collectives`` of one batch: cross-rank attention when the sequence is
     split, the sums reduced over every rank, and the ``local_mean`` divisor and scale.
 

@@ -20,13 +20,13 @@ moment a step can peak (``Memory.phases``).
 with inductor, whose partitioner keeps only the inputs the backward needs (the fp32
 intermediates are recomputed in registers), and ``unrolled.merge_diagonal`` runs its
 Triton kernel (``kernels.merge``). The plan assumes it when ``estimate``'s
-``compile_elementwise`` is on (``TTTConfig.compile_elementwise``; its default is on
-unless ``EAGLE3FN_COMPILE=0``, which turns both off). The tests (tests/test_plan.py)
+``compile_elementwise`` is on (``TTTConfig.compile_elementwise``, on by default; off
+turns both off). The tests (tests/test_plan.py)
 run the real ``ttt`` on CPU under ``saved_tensors_hooks``, eager and with those three
 functions compiled by CPU inductor and the merge kernel in the Triton interpreter,
-and compare with ``Memory.saved_total``; that the CUDA partitioner (torch 2.11 on the
-H200) keeps the same tensors as the CPU one, and the peak, rest on the GPU constants
-of ``memory`` and on measurements.
+and compare with ``Memory.saved_total``; that the CUDA partitioner keeps the same
+tensors as the CPU one, and the peak, rest on the GPU constants of ``memory`` and on
+measurements (``benchmarks/step.py``).
 """
 
 from eagle3fn.plan.args import GiB, PlanArgs

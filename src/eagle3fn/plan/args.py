@@ -23,12 +23,15 @@ Trim = Literal["none", "loss", "backbone", "auto"]
 Attention = Literal["auto", "flex", "eager"]
 LossImpl = Literal["triton", "torch"]
 
-_TTT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TTTConfig)}
+TTT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TTTConfig)}
+"""``TTTConfig``'s field defaults by name: the planner's defaults for the settings a
+step runs with (one source of truth for the values)."""
 
 
 @dataclass(kw_only=True)
 class PlanArgs:
-    """One TTT step to plan (defaults: BENCH.md's 8B shapes at 8192 tokens, 30% tail)."""
+    """One TTT step to plan (defaults: the draft of an 8B Llama target at 8192 tokens,
+    30% tail supervision)."""
 
     seq_len: int = 8192
     """S, tokens per sample (the whole sequence, before any sequence-parallel split)."""
@@ -67,13 +70,13 @@ class PlanArgs:
     trim: Trim = "loss"
     """``none``, ``loss``, ``backbone`` or ``auto`` (as ``TTTConfig.trim``; ``auto`` is
     resolved per rank by ``unrolled.choose_trim``)."""
-    auto_backbone_fraction: float = _TTT_DEFAULTS["auto_backbone_fraction"]
+    auto_backbone_fraction: float = TTT_DEFAULTS["auto_backbone_fraction"]
     """``trim="auto"``: backbone when its cost score is at most this
     (``TTTConfig.auto_backbone_fraction``)."""
-    auto_loss_share: float = _TTT_DEFAULTS["auto_loss_share"]
+    auto_loss_share: float = TTT_DEFAULTS["auto_loss_share"]
     """``trim="auto"``: the score's weight on the supervised rows against the computed
     layer rows (``TTTConfig.auto_loss_share``)."""
-    auto_min_rows: int = _TTT_DEFAULTS["auto_min_rows"]
+    auto_min_rows: int = TTT_DEFAULTS["auto_min_rows"]
     """``trim="auto"``: fewer own rows ``B*C`` than this take the full path
     (``TTTConfig.auto_min_rows``)."""
     dtype_bytes: int = 2
@@ -86,8 +89,8 @@ class PlanArgs:
     world: int = 1
     """Ranks the optimizer state and fp32 gradients are sharded over."""
     gpu_memory_gib: float = 139.0
-    """Memory of one GPU in GiB (default 139: one NVIDIA H200, about 139 GiB usable)."""
-    head_chunk_rows: int = _TTT_DEFAULTS["head_chunk_rows"]
+    """Memory of one GPU in GiB (default 139: the usable memory of a 141 GB card)."""
+    head_chunk_rows: int = TTT_DEFAULTS["head_chunk_rows"]
     """Most rows per chunk of the fused head (``TTTConfig.head_chunk_rows``, 4096; fewer
     for large Vd, ``unrolled.fused_head_chunk``)."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE

@@ -39,7 +39,7 @@ class Flops:
     total: float
 
 
-def _flops(args: PlanArgs, rows: Rows) -> Flops:
+def plan_flops(args: PlanArgs, rows: Rows) -> Flops:
     """Forward + backward FLOPs of one step on ``rows``' rank (module docstring)."""
     B, C, k = args.batch, args.own_rows, args.ttt_length
     H, I, Vd, h, g, d = (args.hidden, args.intermediate, args.draft_vocab, args.heads,

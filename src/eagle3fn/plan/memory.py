@@ -18,26 +18,25 @@ from dataclasses import dataclass, field
 
 from eagle3fn.plan.args import PlanArgs, attention_kind
 from eagle3fn.plan.rows import Rows
-from eagle3fn.plan.saved import (_backbone_saved, _head_saved, _inputs_bytes, _packed_len,
-                                 _query_len, _swiglu_saved, _teacher_bytes)
+from eagle3fn.plan.saved import (backbone_saved, head_saved, inputs_bytes, packed_len,
+                                 query_len, swiglu_saved, teacher_bytes)
 from eagle3fn.unrolled import fused_head_chunk
 
-# ---- GPU constants: calibrated on one H200 (torch 2.11 + cu130) at the BENCH.md 8B
-# shapes against measured ``max_memory_allocated`` of the code before the packed
-# FlexAttention path and the fused elementwise chains (docs/tutorials/plan.md has the
-# validation table). Recalibrate them when torch, the kernels or the GPU change. ------
+# ---- GPU constants: calibrated on one GPU at 8B draft shapes against the measured
+# ``max_memory_allocated`` of a step (docs/tutorials/plan.md has the validation table).
+# Recalibrate them when torch, the kernels or the GPU change. ------
 
 ALLOCATOR_OVERHEAD_BYTES = 64 * 2**20
 """Bytes the CUDA caching allocator holds beyond the tensors modelled here: cuBLAS /
 cuBLASLt workspaces (allocated through the caching allocator and kept after the
-first GEMM) and the 512-byte rounding of blocks. Measured on the H200: 63 MiB above
-parameters + features before a step, at 8192 and at 16384 tokens."""
+first GEMM) and the 512-byte rounding of blocks: what a GPU holds above parameters +
+features before a step (docs/tutorials/plan.md), rounded up."""
 
 FLEX_BACKWARD_WORKSPACE = 1.0
 """FlexAttention backward working memory, as a multiple of ``dq``, the output
 gradient's copy (``[1, h, Qp, d]`` each) and ``dk + dv`` (two ``[1, g, Lp, d]``). Not
-yet calibrated: on the H200 at 8192-16384 tokens the step peaked in the forward or
-in the heads' backward, never inside an attention backward."""
+yet calibrated: the measured steps peaked in the forward or in the heads' backward,
+never inside an attention backward."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ class _Held:
         parameters, gradients, optimizer_state, inputs, table, teacher_extra: as the
             ``Memory`` fields of those names (``teacher_transient`` for the last).
         saved, attn, head: per step, the backbone's saved tensors, their attention
-            share and the head's (``saved._backbone_saved``, ``saved._head_saved``).
+            share and the head's (``saved.backbone_saved``, ``saved.head_saved``).
         resident: what lives through the whole step: parameters, optimizer state,
             inputs, the allocator's overhead and, with the optimizer, fp32 gradients.
         grad_bytes: bytes per element of a weight gradient held across the backward
@@ -146,10 +145,10 @@ def _held(args: PlanArgs, rows: Rows, fused: bool, query_buckets: int) -> _Held:
     parameters = total_params * b + (args.vocab * H * 4 if args.optimizer else 0)
     gradients = trainable * 4 / args.world if args.optimizer else trainable * b
     optimizer_state = trainable * 12 / args.world if args.optimizer else 0
-    inputs = _inputs_bytes(args, rows)
-    table, teacher_extra = _teacher_bytes(args, rows.teacher_positions)
-    saved, attn = _backbone_saved(args, rows, fused, query_buckets)
-    head = _head_saved(args, rows, fused)
+    inputs = inputs_bytes(args, rows)
+    table, teacher_extra = teacher_bytes(args, rows.teacher_positions)
+    saved, attn = backbone_saved(args, rows, fused, query_buckets)
+    head = head_saved(args, rows, fused)
     # fp32 gradients of the masters live across micro-batches; compute-dtype ones
     # appear during the backward (lm_head's first, then the layer's, fc's last)
     resident = parameters + optimizer_state + inputs + ALLOCATOR_OVERHEAD_BYTES
@@ -248,7 +247,7 @@ def _backbone_backward_phases(args: PlanArgs, rows: Rows, held: _Held, fused: bo
 
     def attention_workspace(m):
         if kind == "flex":
-            Qp, Lp = _query_len(args, m, query_buckets), _packed_len(args)
+            Qp, Lp = query_len(args, m, query_buckets), packed_len(args)
             return FLEX_BACKWARD_WORKSPACE * (2 * Qp * h * d * b + 2 * Lp * g * d * b)
         # score gradients in fp32 beside the saved scores
         return 2 * B * h * C * C * (args.sp if kind == "ring" else 1) * 4
@@ -261,12 +260,12 @@ def _backbone_backward_phases(args: PlanArgs, rows: Rows, held: _Held, fused: bo
         grads = (H * I * held.grad_bytes if j == k - 1
                  else held.layer_numel * held.grad_bytes + H * I * held.new_grad)
         mlp_bwd = 2 * m * I * b
-        attn_bwd = attention_workspace(m) - _swiglu_saved(args, m, fused)
+        attn_bwd = attention_workspace(m) - swiglu_saved(args, m, fused)
         phases[f"backward_{j}"] = live + grads + max(mlp_bwd, attn_bwd)
     return phases, attention_transient
 
 
-def _memory(args: PlanArgs, rows: Rows, fused: bool, query_buckets: int) -> Memory:
+def plan_memory(args: PlanArgs, rows: Rows, fused: bool, query_buckets: int) -> Memory:
     """Bytes by component and at each moment a step can peak (module docstring)."""
     held = _held(args, rows, fused, query_buckets)
     resident, table, saved = held.resident, held.table, held.saved

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle3fn.plan.args import GiB, PlanArgs
-from eagle3fn.plan.flops import Flops, _flops
-from eagle3fn.plan.memory import Memory, _memory
+from eagle3fn.plan.args import TTT_DEFAULTS, GiB, PlanArgs
+from eagle3fn.plan.flops import Flops, plan_flops
+from eagle3fn.plan.memory import Memory, plan_memory
 from eagle3fn.plan.rows import Rows, plan_rows
-from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -35,29 +34,28 @@ class Plan:
     flops: Flops
     fits: bool
     headroom: int
-    compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT
+    compile_elementwise: bool
 
 
-def estimate(args: PlanArgs, *, compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT,
-             query_buckets: int = DEFAULT_QUERY_BUCKETS) -> Plan:
+def estimate(args: PlanArgs, *, compile_elementwise: bool = TTT_DEFAULTS["compile_elementwise"],
+             query_buckets: int = TTT_DEFAULTS["query_buckets"]) -> Plan:
     """Plan one TTT step: rows per step, memory by component and the peak, FLOPs.
 
     Under sequence parallelism every rank is planned and the one with the highest
     peak is returned (with tail supervision the last ranks hold the supervised rows).
     ``compile_elementwise`` and ``query_buckets``: the ``TTTConfig`` settings the
-    planned step runs with (not ``eagle3fn plan`` flags; the command plans the
-    defaults: ``EAGLE3FN_COMPILE=0`` in the environment plans the eager chains).
+    planned step runs with (default: ``TTTConfig``'s).
     """
     ranks = range(args.sp) if args.sp <= 64 else sorted({0, args.sp - 2, args.sp - 1})
     best = None
     for r in ranks:
         rows = plan_rows(args, r)
-        memory = _memory(args, rows, compile_elementwise, query_buckets)
+        memory = plan_memory(args, rows, compile_elementwise, query_buckets)
         if best is None or memory.peak > best[1].peak:
             best = (rows, memory)
     rows, memory = best
     capacity = int(args.gpu_memory_gib * GiB)
-    return Plan(args=args, rows=rows, memory=memory, flops=_flops(args, rows),
+    return Plan(args=args, rows=rows, memory=memory, flops=plan_flops(args, rows),
                 fits=memory.peak <= capacity, headroom=capacity - memory.peak,
                 compile_elementwise=compile_elementwise)
 
@@ -101,6 +99,7 @@ SP_FLEX_NOTE = ("note: sp > 1 is planned with the eager ring attention (explicit
 """The line ``format_plan`` adds for a sequence-parallel plan of the GPU path."""
 
 
-def plan(args: PlanArgs) -> None:
-    """Print the plan of one TTT step (the ``eagle3fn plan`` command)."""
-    print(format_plan(estimate(args)))
+def plan(args: PlanArgs, *, compile_elementwise: bool = TTT_DEFAULTS["compile_elementwise"]) -> None:
+    """Print the plan of one TTT step (the ``eagle3fn plan`` command; the CLI passes
+    ``compile_elementwise`` off under ``EAGLE3FN_COMPILE=0``)."""
+    print(format_plan(estimate(args, compile_elementwise=compile_elementwise)))

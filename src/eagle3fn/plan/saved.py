@@ -22,7 +22,7 @@ import math
 
 from eagle3fn.plan.args import PlanArgs, attention_kind
 from eagle3fn.plan.rows import Rows
-from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS, FLEX_BLOCK, packed_query_len
+from eagle3fn.unrolled import DEFAULT_QUERY_BUCKETS, FLEX_BLOCK, packed_query_len
 from eagle3fn.unrolled.attention import MIN_FLEX_BLOCKS
 
 FLEX_SAVES_MAX_SCORES = True
@@ -31,14 +31,14 @@ FLEX_SAVES_MAX_SCORES = True
 graph keeps it is not measured: 1 MiB per step at 8B shapes and 8192 tokens)."""
 
 
-def _packed_len(args: PlanArgs) -> int:
+def packed_len(args: PlanArgs) -> int:
     """Lp, the packed FlexAttention length: ``B*C`` rounded up to the flex block."""
     return max(-(-args.batch * args.own_rows // FLEX_BLOCK), MIN_FLEX_BLOCKS) * FLEX_BLOCK
 
 
-def _query_len(args: PlanArgs, m: float, query_buckets: int) -> int:
+def query_len(args: PlanArgs, m: float, query_buckets: int) -> int:
     """Qp, the packed query length of ``m`` query rows (``unrolled.packed_query_len``)."""
-    return packed_query_len(math.ceil(m), _packed_len(args), query_buckets)
+    return packed_query_len(math.ceil(m), packed_len(args), query_buckets)
 
 
 def _flex_mask_bytes(Qp: int, Lp: int) -> int:
@@ -66,15 +66,14 @@ def _merge_saved(args: PlanArgs, j: int, m: float, fused: bool, query_buckets: i
     if j == 0:
         return 0.0
     P, G, sh = m * h * d, m * g * d, m * h
-    lse = _query_len(args, m, query_buckets) * h * 4
+    lse = query_len(args, m, query_buckets) * h * 4
     if fused:
         return lse + P * b + 2 * j * G * b + sh * 4
     return lse + P * 4 * (2 if b == 4 else 3) + 2 * j * G * 4 + (2 * j + 3) * sh * 4
 
 
 def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str | None = None,
-                     hops: int | None = None, fused: bool = COMPILE_ELEMENTWISE_DEFAULT,
-                     shared_mask: bool = False,
+                     hops: int | None = None, *, fused: bool, shared_mask: bool = False,
                      query_buckets: int = DEFAULT_QUERY_BUCKETS) -> float:
     """Bytes the attention call of step j keeps for backward, for ``m`` query rows
     (default every row, ``B*C``). ``kind`` and ``hops`` (earlier ring blocks seen)
@@ -93,7 +92,7 @@ def _attention_saved(args: PlanArgs, j: int, m: float | None = None, kind: str |
     kind = kind or attention_kind(args)
     m = B * C if m is None else m
     if kind == "flex":
-        Lp, Qp = _packed_len(args), _query_len(args, m, query_buckets)
+        Lp, Qp = packed_len(args), query_len(args, m, query_buckets)
         lse = Qp * h * 4 * (2 if FLEX_SAVES_MAX_SCORES else 1)
         keys = 2 * Lp * g * d * b if j == 0 else 0
         mask = _flex_mask_bytes(Qp, Lp) if j == 0 or not shared_mask else 0
@@ -140,14 +139,14 @@ def _norm_saved(args: PlanArgs, rows: float, fused: bool, input_counted: bool = 
     return fp32_input + rows * 4 + rows * H * b
 
 
-def _swiglu_saved(args: PlanArgs, rows: float, fused: bool) -> float:
+def swiglu_saved(args: PlanArgs, rows: float, fused: bool) -> float:
     """The MLP's ``[rows, I]`` tensors: gate and up (and silu(gate) unfused), and
     silu(gate)*up, ``down_proj``'s input."""
     return rows * (3 if fused else 4) * args.intermediate * args.dtype_bytes
 
 
-def _backbone_saved(args: PlanArgs, rows: Rows, fused: bool,
-                    query_buckets: int) -> tuple[list[float], list[float]]:
+def backbone_saved(args: PlanArgs, rows: Rows, fused: bool,
+                   query_buckets: int) -> tuple[list[float], list[float]]:
     """Per step: (everything the backbone keeps, the attention's share), following
     ``unrolled.unroll._unroll`` op by op.
 
@@ -178,13 +177,13 @@ def _backbone_saved(args: PlanArgs, rows: Rows, fused: bool,
         if trimmed and kind != "flex":  # index_copy into the dense tensors keeps its sources:
             s += m * h * d * b + 2 * j * m * g * d * b  # the queries and the diagonal keys
         s += (a + _o_proj_input(args, m) + _norm_saved(args, m, fused) + m * H * b
-              + _swiglu_saved(args, m, fused))
+              + swiglu_saved(args, m, fused))
         saved.append(s)
         attn.append(a)
     return saved, attn
 
 
-def _head_saved(args: PlanArgs, rows: Rows, fused: bool) -> list[float]:
+def head_saved(args: PlanArgs, rows: Rows, fused: bool) -> list[float]:
     """Per step: what the head and loss keep for backward."""
     b, H, Vd, k = args.dtype_bytes, args.hidden, args.draft_vocab, args.ttt_length
     out = []
@@ -207,7 +206,7 @@ def _head_saved(args: PlanArgs, rows: Rows, fused: bool) -> list[float]:
     return out
 
 
-def _teacher_bytes(args: PlanArgs, U: float) -> tuple[float, float]:
+def teacher_bytes(args: PlanArgs, U: float) -> tuple[float, float]:
     """(table bytes, extra bytes while building it from the final hidden)."""
     Vd, V = args.draft_vocab, args.vocab
     b = args.dtype_bytes
@@ -220,7 +219,7 @@ def _teacher_bytes(args: PlanArgs, U: float) -> tuple[float, float]:
     return table, U * per_row + (V + Vd) * 8
 
 
-def _inputs_bytes(args: PlanArgs, rows: Rows) -> float:
+def inputs_bytes(args: PlanArgs, rows: Rows) -> float:
     """Features (int64 ids and attention mask, bool masks, aux, final hidden, target
     head), vocab maps and the row map's index tensors."""
     b, B, T = args.dtype_bytes, args.batch, args.buffer_len

@@ -148,8 +148,8 @@ class TrainConfig:
     one; offline across the cache's shards, the held-out ones packed apart): batches of
     one shape and little padding, every conversation trained exactly as if alone
     (positions restart, attention and rows stay inside it; SPEC section 9). On by
-    default (1.26x real tokens/s end to end on an H200 at 8B shapes,
-    docs/benchmarks.md); off under sequence parallelism (--parallel.ring/ulysses > 1),
+    default (less padding, so more real tokens per step); off under sequence
+    parallelism (--parallel.ring/ulysses > 1),
     which splits one row across ranks, and with --no-pack. --batch-size then counts
     packed rows. ``token_mean`` is unchanged by packing; ``local_mean`` divides by the
     positions the batch holds, padding included (rows x --pack-length; unpacked:
@@ -159,9 +159,8 @@ class TrainConfig:
     pack_length: int | None = None
     """Tokens per packed row (>= --max-length; default --max-length). Conversations are
     still cut at --max-length, so e.g. --pack-length 8192 --batch-size 1 replaces 4 rows
-    of 2048 with one of 8192 and fills it better: padding 0.7% instead of 7.9% on 4000
-    of benchmarks/packing.py's chat conversations, mostly over 1024 tokens (no packing
-    into rows of 2048 goes below 7.6% there).
+    of 2048 with one of 8192 and fills it better: less padding where conversations are
+    long next to --max-length (benchmarks/packing.py measures it on chat data).
     Offline this costs nothing more; online the target's attention over a packed row
     (SDPA with a materialized [N, N] block-diagonal mask) costs O(N^2) per row, up to
     N / max_length times an unpacked row's, and the draft's eager (CPU) attention
@@ -180,8 +179,8 @@ class TrainConfig:
     """Which rows to compute (all exact): ``none`` (every row at every step),
     ``loss`` (teacher, head, loss and metrics only at supervised rows), ``backbone``
     (also the draft layer only on the rows a later loss needs), ``auto`` (per batch,
-    backbone or none by measured cost). Default: auto (the fastest end to end on an
-    H200 at 8B shapes, docs/benchmarks.md), or loss with --trim-loss-positions."""
+    backbone or none by measured cost). Default: auto (the fastest end to end on the
+    GPU), or loss with --trim-loss-positions."""
     trim_loss_positions: bool = False
     """Shorthand for ``--trim loss`` (SpecForge's flag name)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -222,7 +221,7 @@ class TrainConfig:
     compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
-    batch; an 8B online step 358 -> 329 ms on an H200, docs/benchmarks.md). Results
+    batch; fewer kernel launches per step). Results
     differ only by rounding, so a run may resume with either. The CPU runs eagerly."""
     memory_check: bool = True
     """Before anything loads, estimate the peak memory of a step (``eagle3fn plan``'s

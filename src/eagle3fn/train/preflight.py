@@ -11,7 +11,7 @@ padded rows). ``check_memory`` compares it with the device's free memory (CUDA:
 limit) and refuses a run that cannot fit (UsageError with the numbers and the fix).
 
 The estimate is a model, not a measurement: the draft step's constants are calibrated on
-an H200 (docs/tutorials/plan.md), the target's count covers a Llama-shaped decoder
+one GPU (docs/tutorials/plan.md), the target's count covers a Llama-shaped decoder
 (attention, SwiGLU MLP, embedding and head; experts and vision towers are not
 counted), and the data's real lengths may be shorter than the longest row. It is meant
 to catch the runs that cannot fit at all (a row of 100000 tokens on a CPU), before a

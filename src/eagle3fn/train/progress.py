@@ -1,8 +1,8 @@
 """Training progress on stdout: a tqdm bar on a terminal, log lines elsewhere.
 
 On a terminal: one tqdm line redrawn after every optimizer step, e.g.
-``[#########---------------] 25/66, loss 4.8812 acc0 0.181 1450 tok/s, elapsed 00:52,
-ETA 03:07`` (tqdm's estimate from the steps of this process); messages (evaluation,
+``[#########---------------] 25/66, loss L acc0 A N tok/s, elapsed MM:SS,
+ETA MM:SS`` (tqdm's estimate from the steps of this process); messages (evaluation,
 checkpoints) are printed above it. Elsewhere (a pipe, a file, CI, a ``log`` callable):
 nothing per step; the loop logs one line every log_every steps.
 """

@@ -33,7 +33,7 @@ from einops import repeat
 from eagle3fn.align import document_starts
 from eagle3fn.kernels import merge as merge_kernel
 from eagle3fn.shapes import Features
-from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, DEFAULT_QUERY_BUCKETS,
+from eagle3fn.unrolled.config import (DEFAULT_QUERY_BUCKETS,
                                       AttentionImpl, TTTConfig)
 from eagle3fn.compiled import compile_backend, compiled_flex
 
@@ -94,7 +94,7 @@ def packed_keys(k_Ngd: torch.Tensor, v_Ngd: torch.Tensor) -> tuple[torch.Tensor,
     ``[1, g, Lp, d]``, ``Lp`` = ``B*C`` rounded up to FLEX_BLOCK (zeros past it, never
     read). Built once per batch and shared by every step."""
     BC = k_Ngd.shape[0]
-    Lp = _key_len(BC)
+    Lp = padded_key_len(BC)
     prep = lambda x: F.pad(x, (0, 0, 0, 0, 0, Lp - BC)).transpose(0, 1)[None].contiguous()  # noqa: E731
     return prep(k_Ngd), prep(v_Ngd)
 
@@ -204,7 +204,7 @@ def packed_block_mask(start_Q: torch.Tensor, last_Q: torch.Tensor, num_queries: 
     queries (``i >= num_queries``) list nothing and are skipped. The key-major tables
     of the backward come from the same ranges (``_transposed_tables``), not from a
     dense mask and a sort. ``tables``: ``block_tables`` of these windows, already
-    computed (``_plan_steps`` builds them on the host)."""
+    computed (``plan_steps`` builds them on the host)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if tables is None:
@@ -238,7 +238,7 @@ class PackedLayout:
     tables: tuple[torch.Tensor, ...]
 
 
-def _key_len(num_flat_rows: int) -> int:
+def padded_key_len(num_flat_rows: int) -> int:
     """Lp: ``B*C`` flat keys rounded up to FLEX_BLOCK (at least MIN_FLEX_BLOCKS blocks)."""
     return max(-(-num_flat_rows // FLEX_BLOCK), MIN_FLEX_BLOCKS) * FLEX_BLOCK
 
@@ -273,7 +273,7 @@ def packed_layouts(rows: list[torch.Tensor], lengths_B: torch.Tensor, num_rows: 
     ``packed_layout``'s in values, dtype, shape and strides (``start``/``last`` and the
     tables are views of shared buffers). The ops do not grow with the number of lists
     but for one view per output tensor (the host plans a batch's k steps with it,
-    ``layout._plan_steps``); one list takes ``block_tables`` itself."""
+    ``layout.plan_steps``); one list takes ``block_tables`` itself."""
     if not rows:
         return []
     device = rows[0].device
@@ -462,7 +462,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
                           q_packed: torch.Tensor | None = None, *,
                           kernel_options: tuple[tuple[str, object], ...] | None = None,
                           query_buckets: int = DEFAULT_QUERY_BUCKETS,
-                          fused: bool = COMPILE_ELEMENTWISE_DEFAULT,
+                          fused: bool,
                           starts_BC: torch.Tensor | None = None):
     """EAGLE-3 TTT attention for the queries of flat rows ``rows_N`` only, by FlexAttention
     (the one-rank GPU path of every trim mode).
@@ -485,7 +485,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         lengths_B: int ``[B]`` real rows per sample (right padding).
         num_rows: C.
         layout: ``packed_layout(rows_N, lengths_B, num_rows, Lp, query_buckets)``,
-            when already built (``layout._plan_steps`` plans every step on the host);
+            when already built (``layout.plan_steps`` plans every step on the host);
             else built here.
         return_lse: also return the natural log-sum-exp ``[N, h]`` (fp32) of each
             row's scaled scores over its keys (``-inf`` where it sees none); only with
@@ -519,7 +519,7 @@ def packed_flex_attention(q_NhD: torch.Tensor, rows_N: torch.Tensor, keys: tuple
         layout = packed_layout(rows_N, lengths_B, num_rows, Lp, query_buckets, starts_BC)
     elif layout.num_queries != N:
         raise ValueError(f"the layout is for {layout.num_queries} query rows but q has {N}: "
-                         "pass the layout of this step's rows (_plan_steps)")
+                         "pass the layout of this step's rows (plan_steps)")
     start, last = layout.start, layout.last
     Qp = start.shape[0]
     backend = compile_backend(q_NhD.device)
@@ -582,13 +582,13 @@ def pack_queries(q_NhD: torch.Tensor, num_packed: int) -> torch.Tensor:
     return F.pad(q_NhD, (0, 0, 0, 0, 0, num_packed - q_NhD.shape[0])).transpose(0, 1)[None].contiguous()
 
 
-def _flex_path(attention: AttentionImpl, attend, features: Features) -> bool:
+def is_flex_path(attention: AttentionImpl, attend, features: Features) -> bool:
     """Whether the steps' attention is the one-rank packed FlexAttention."""
     return attend is None and (attention == "flex" or (attention == "auto" and features.aux.is_cuda))
 
 
-def _row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch.Tensor,
-                   k0: torch.Tensor, v0: torch.Tensor, layouts=None):
+def row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch.Tensor,
+                  k0: torch.Tensor, v0: torch.Tensor, layouts=None):
     """``run(q [N, h, d], rows_N | None, diagonal, j) -> [N, h, d]``: step j's attention
     for the queries of some flat rows (``None``: every row, in order) over the step-0
     keys ``k0, v0`` ``[B*C, g, d]`` and each row's own keys of steps ``1..j``
@@ -596,7 +596,7 @@ def _row_attention(config: TTTConfig, attend, features: Features, valid_BC: torc
 
     The one-rank FlexAttention path (``config.attention="flex"``, or ``auto`` on CUDA)
     packs the queries (``packed_flex_attention`` with the config's kernel options,
-    query buckets and merge; ``layouts[j]`` from ``layout._plan_steps`` when given,
+    query buckets and merge; ``layouts[j]`` from ``layout.plan_steps`` when given,
     else built per step). Otherwise the queries are placed in zero
     ``[B, h, C, d]`` tensors for ``attend`` (``Collectives.attend`` under sequence
     parallelism, else ``eager_attention``), whose other rows' outputs are dropped.
@@ -605,7 +605,7 @@ def _row_attention(config: TTTConfig, attend, features: Features, valid_BC: torc
     B, C = valid_BC.shape
     packed = attend is None and features.positions is not None  # one rank: documents bound the keys
     starts = document_starts(features.positions[:, :C]) if packed else None
-    if _flex_path(config.attention, attend, features):
+    if is_flex_path(config.attention, attend, features):
         keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
         every = torch.arange(B * C, device=k0.device)
         options = dict(kernel_options=config.flex_kernel_options, query_buckets=config.query_buckets,

@@ -8,7 +8,6 @@ attention, layout and policy modules can name the config without importing the u
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
@@ -23,10 +22,11 @@ Trim = Literal["none", "loss", "backbone", "auto"]
 LossImpl = Literal["auto", "torch", "triton"]
 AttentionImpl = Literal["auto", "eager", "flex"]
 
-COMPILE_ELEMENTWISE_DEFAULT = os.environ.get("EAGLE3FN_COMPILE", "1") != "0"
-"""The default of ``TTTConfig.compile_elementwise`` (and of the unrolled package's
-functions that take the same flag): on, unless the environment variable
-``EAGLE3FN_COMPILE=0`` is set when eagle3fn is imported (read once, here)."""
+COMPILE_ELEMENTWISE_DEFAULT = True
+"""The default of ``TTTConfig.compile_elementwise``, also for code that runs the draft
+without a ``TTTConfig`` (``skeleton``, decoding). Code holding a ``TTTConfig`` passes its
+field down; nothing here reads the environment (the CLI maps ``EAGLE3FN_COMPILE=0`` to
+the field, docs/reference/config.md)."""
 
 DEFAULT_QUERY_BUCKETS = 8
 """The default of ``TTTConfig.query_buckets``."""
@@ -56,26 +56,22 @@ class TTTConfig:
     the ``k*B*C`` layer rows the trimmed path computes, ``d`` the fraction that is
     supervised (``sum_j n_j / (k*B*C)``) and ``w = auto_loss_share``; for tail
     supervision ``f ~ d`` (``f`` exceeds it by ``k(k-1)/2`` rows per sample) and the
-    score is about the density. Calibrated on an H200 at 8B shapes (docs/benchmarks.md,
-    "Which path trim=auto takes"): at 8192 tail backbone against none was 0.80x at 0.6, 0.99x at
-    0.8 and 1.07x at 0.9, and 1.12-1.15x at 1.0 (100% density, at 2048, 8192 and
-    32768)."""
+    score is about the density. The default is the density at which the trimmed
+    backbone stops beating the full path on the GPU at 8B shapes, fitted from
+    ``benchmarks/step.py`` runs of both paths."""
     auto_loss_share: float = 0.45
     """``trim="auto"``: ``w``, the share of the trimmed path's variable cost that goes
     with the supervised rows (head, loss, the queries' attention) rather than with
-    every computed layer row. Scattered supervision computes many more layer rows than
-    it supervises (at 60%: f = 0.91, d = 0.6), and there the trimmed path still wins
-    (backbone/none 0.93-0.94x at 8192 and 32768, docs/benchmarks.md). A least-squares
-    fit of ``ratio = c + a*f + b*d`` over 19 measured (f, d) points at 8192 and 32768
-    gave ``b / (a + b) = 0.46`` and the tail crossing ``(1 - c) / (a + b) = 0.84``. 0
-    decides on the computed rows alone (the earlier rule)."""
+    every computed layer row: scattered supervision computes many more layer rows than
+    it supervises, and the trimmed path can still win there. The default is
+    ``b / (a + b)`` of a least-squares fit of ``time(backbone) / time(none) = c + a*f +
+    b*d`` over ``benchmarks/step.py`` runs at several (f, d); 0 decides on the computed
+    rows alone."""
     auto_min_rows: int = 4096
     """``trim="auto"``: a batch with fewer own rows (``B*C`` on this rank) takes the
     full path whatever its density. Short steps are bound by kernel launches on the
-    host, and the trimmed path launches more kernels (H200, 8B shapes: at S=1024
-    ``none`` beat ``backbone`` at 10-60% tail density by 16-52%; at 2048 ``backbone``
-    was 0.8-0.99x ``none`` at 10-60% tail but 1.08-1.20x at 45-60% scattered; at 8192
-    and above it wins at every fraction up to 0.8)."""
+    host, and the trimmed path launches more kernels, so below some size it loses at
+    any density."""
     attention: AttentionImpl = "auto"
     """``eager``: explicit scores, exact on any device (the CPU path). ``flex``:
     compiled FlexAttention of the packed query rows over the step-0 keys with a
@@ -93,9 +89,8 @@ class TTTConfig:
     head_chunk_rows: int = 4096
     """Most rows per chunk of the fused head; a chunk also holds at most
     ``HEAD_CHUNK_LOGITS`` logits (``fused_head_chunk``: 4096 rows at Vd 32000, 512 at
-    262144). Each chunk costs a few dozen launches forward and backward: at 8192 /
-    30% on the H200, 4096 rows instead of 2048 took the step from 1553 to 1217
-    launches at the same peak (docs/benchmarks.md)."""
+    262144). Each chunk costs a few dozen kernel launches forward and backward, so
+    larger chunks launch fewer kernels; the logits cap keeps the peak."""
     teacher_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Vocab entries per block when the teacher is streamed from the final hidden."""
     compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT
@@ -104,15 +99,13 @@ class TTTConfig:
     instead of 5-15; ``draft.fused_on_cuda``) and merge the diagonal keys with the
     Triton kernel (``kernels.merge``). Off: all of them eager (same maths; rounding
     may differ in the last bit). CPU tensors and ``torch.func`` transforms always run
-    eagerly. Default: on, unless ``EAGLE3FN_COMPILE=0`` is set in the environment
-    when eagle3fn is imported (``COMPILE_ELEMENTWISE_DEFAULT``)."""
+    eagerly. Default: on (``COMPILE_ELEMENTWISE_DEFAULT``)."""
     flex_kernel_options: tuple[tuple[str, object], ...] | None = None
     """``kernel_options`` of the FlexAttention calls on CUDA, as ``(name, value)``
     pairs (block sizes, warps, stages; see
     ``torch.nn.attention.flex_attention.FlexKernelOptions``); pairs, not a dict, so
     the config stays hashable. ``None``: inductor's defaults for the device.
-    ``benchmarks/attention.py --kernel-options`` sweeps them (on the H200 at 8B shapes
-    no setting beat the defaults: docs/benchmarks.md, "Attention (FlexAttention)")."""
+    ``benchmarks/attention.py --kernel-options`` sweeps them."""
     query_buckets: int = DEFAULT_QUERY_BUCKETS
     """The flex path rounds a step's packed query rows up to a multiple of
     ``Lp / query_buckets`` (in 128-row blocks; Lp = ``B*C`` rounded up to a block):

@@ -1,5 +1,5 @@
 """The host-side step layout: one batch's index maths for all k steps, planned on the
-host from the row map and uploaded in a few copies (``_plan_steps``), instead of a few
+host from the row map and uploaded in a few copies (``plan_steps``), instead of a few
 dozen tiny kernels per step.
 
 Legend: B batch, C own rows per sample, k TTT length, n_j rows of step j, m_j the
@@ -23,7 +23,7 @@ import torch
 
 from eagle3fn.align import document_starts
 from eagle3fn.shapes import Features, HostRows, RowMap
-from eagle3fn.unrolled.attention import PackedLayout, _key_len, packed_layout, packed_layouts
+from eagle3fn.unrolled.attention import PackedLayout, packed_layout, packed_layouts, padded_key_len
 from eagle3fn.unrolled.config import DEFAULT_QUERY_BUCKETS
 from eagle3fn.unrolled.policy import computed_rows
 from eagle3fn.unrolled.runtime import one_thread
@@ -115,7 +115,7 @@ def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, 
     B = lengths_B.numel()
     every = [torch.arange(B * num_rows)] if any(r is None for r in rows) else []
     own = [r for r in rows if r is not None and r.numel()]
-    built = iter(packed_layouts(every + own, lengths_B, num_rows, _key_len(B * num_rows), query_buckets,
+    built = iter(packed_layouts(every + own, lengths_B, num_rows, padded_key_len(B * num_rows), query_buckets,
                                 starts_BC))
     shared = next(built) if every else None
     return [shared if r is None else None if not r.numel() else next(built) for r in rows]
@@ -126,7 +126,7 @@ def _host_layouts_per_step(rows: Sequence[torch.Tensor | None], lengths_B: torch
     """``_host_layouts``' readable twin: one ``packed_layout`` call per step (the
     every-row one built once and shared); the oracle of the batched pass and the
     benchmark's baseline (``benchmarks/plan_host.py``)."""
-    Lp = _key_len(lengths_B.numel() * num_rows)
+    Lp = padded_key_len(lengths_B.numel() * num_rows)
     every = None if all(r is not None for r in rows) else packed_layout(
         torch.arange(lengths_B.numel() * num_rows), lengths_B, num_rows, Lp, query_buckets, starts_BC)
     return [every if r is None else None if not r.numel()
@@ -180,8 +180,8 @@ def _rebuild_layouts(layouts: Sequence[PackedLayout | None], sent) -> list[Packe
 
 
 @dataclass(frozen=True)
-class _StepPlan:
-    """Index maths of one batch's unrolled steps, done on the host (``_plan_steps``).
+class StepPlan:
+    """Index maths of one batch's unrolled steps, done on the host (``plan_steps``).
 
     Fields:
         layouts: the flex path's ``PackedLayout`` per step (None: another attention).
@@ -198,7 +198,7 @@ class _StepPlan:
     at: list
 
 
-def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+def rows_inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
     """Positions of the sorted rows ``inner`` inside the sorted ``outer``. Clamped so a
     hand-made row map whose rows are not nested reads wrong rows (which the
     negative-control tests catch) instead of out of range."""
@@ -207,33 +207,33 @@ def _inside(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
 
 def _insides(outer: Sequence[torch.Tensor], pairs: Sequence[tuple[int, torch.Tensor]],
              size: int) -> list[torch.Tensor]:
-    """``[_inside(outer[i], inner) for i, inner in pairs]`` at once, for host int64 rows
+    """``[rows_inside(outer[i], inner) for i, inner in pairs]`` at once, for host int64 rows
     in ``[0, size)``, without a binary search: ``searchsorted(outer_i, x)`` is the count
     of ``outer_i``'s entries below x, a prefix sum of each outer list's counts shifted
     by one (``[len(outer), size + 1]``, one ``bincount`` each), read at the inner rows
-    and clamped as ``_inside`` clamps. Returns int64 tensors ``[len(inner)]``, one per
+    and clamped as ``rows_inside`` clamps. Returns int64 tensors ``[len(inner)]``, one per
     pair."""
     below = torch.stack([torch.bincount(o + 1, minlength=size + 1) for o in outer]).cumsum(1)
     return [below[i].index_select(0, inner).clamp_max_(max(outer[i].numel() - 1, 0)) for i, inner in pairs]
 
 
 def _sends_plan(device: torch.device) -> bool:
-    """Whether ``_plan_steps`` uploads its host tensors (every device but the CPU; tests
+    """Whether ``plan_steps`` uploads its host tensors (every device but the CPU; tests
     force it on the CPU to check the packing)."""
     return device.type != "cpu"
 
 
 @one_thread
-def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
-                query_buckets: int = DEFAULT_QUERY_BUCKETS, impl: str = "batched") -> _StepPlan:
-    """The ``_StepPlan`` of a batch (``flex``: with the packed layouts of
+def plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
+               query_buckets: int = DEFAULT_QUERY_BUCKETS, impl: str = "batched") -> StepPlan:
+    """The ``StepPlan`` of a batch (``flex``: with the packed layouts of
     ``query_buckets``, ``TTTConfig.query_buckets``): on a GPU, the row lists it needs
     come down in one copy, and the layouts and positions go up in two, instead of a
     few dozen tiny kernels per step.
 
     ``impl``: ``"batched"`` plans the k steps in one pass over their concatenated rows
     (``_host_layouts``, ``_insides``); ``"per_step"`` is its readable twin, one
-    ``packed_layout`` and two ``_inside`` per step, kept as the tests' oracle and the
+    ``packed_layout`` and two ``rows_inside`` per step, kept as the tests' oracle and the
     benchmark's baseline (benchmarks/plan_host.py: ~400 dispatched ops against ~1100 for
     k = 7 under ``trim="backbone"``). Both give the same tensors."""
     if impl not in ("batched", "per_step"):
@@ -264,14 +264,14 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
             found = _insides(comp_h, list(enumerate(comp_h[1:])) + list(enumerate(rows_h)), B * C)
             within, at = [None] + found[:len(comp_h) - 1], found[len(comp_h) - 1:]
         else:
-            within = [None] + [_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
-            at = [_inside(c, r) for c, r in zip(comp_h, rows_h)]
+            within = [None] + [rows_inside(a, b) for a, b in zip(comp_h, comp_h[1:])]
+            at = [rows_inside(c, r) for c, r in zip(comp_h, rows_h)]
     if flex:
         lay = _host_layouts if impl == "batched" else _host_layouts_per_step
         layouts = lay(comp_h if computed is not None else [None] * rowmap.ttt_length, lengths_h, C, query_buckets,
                       starts_h)
     if not _sends_plan(device):
-        return _StepPlan(_owned(layouts) if flex and impl == "batched" else layouts, computed, within, at)
+        return StepPlan(_owned(layouts) if flex and impl == "batched" else layouts, computed, within, at)
     moved = (_layout_tensors(layouts) if flex else []) + (
         [w for w in within[1:]] + at if computed is not None else [])
     sent = _upload(moved, device)
@@ -284,4 +284,4 @@ def _plan_steps(rowmap: RowMap, trim: str, features: Features, flex: bool,
     if computed is not None:
         within = [None] + [next(sent) for _ in within[1:]]
         at = [next(sent) for _ in at]
-    return _StepPlan(layouts, computed, within, at)
+    return StepPlan(layouts, computed, within, at)

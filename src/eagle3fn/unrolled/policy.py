@@ -25,8 +25,8 @@ def choose_trim(rowmap: RowMap, config: TTTConfig) -> str:
     """The path ``trim="auto"`` takes for this batch: ``none`` below
     ``config.auto_min_rows`` own rows (launch-bound), else ``backbone`` when its cost
     score (``auto_score``) is at most ``config.auto_backbone_fraction``, else ``none``
-    (measured on the H200: near full density the untrimmed path beats both trimmed
-    ones, whose gathers and chunked head then cost more than they save). Any other
+    (near full density the untrimmed path beats both trimmed ones, whose gathers and
+    chunked head then cost more than they save). Any other
     ``config.trim`` is returned as is."""
     if config.trim != "auto":
         return config.trim

@@ -16,9 +16,8 @@ import torch
 def one_thread(fn):
     """Run ``fn`` with one intra-op CPU thread (``torch.set_num_threads``, the count
     restored after). The host index maths works on tensors of a few thousand
-    rows, where an op that wakes a pool of OpenMP threads costs more than its work:
-    on the H200 machine's host (16 threads, a VM) one ``searchsorted`` of 8192 rows took
-    1.3 ms, and those of one 8192 / 30% step 55 ms of its ~170 ms host time."""
+    rows, where an op that wakes a pool of OpenMP threads costs more than its work
+    (on a many-threaded host, a large share of a step's host time)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

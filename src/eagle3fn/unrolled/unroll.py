@@ -37,10 +37,10 @@ from eagle3fn.draft import (DraftConfig, Eagle3Draft, apply_rope, apply_rope_pai
 from eagle3fn.loss import head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
-from eagle3fn.unrolled.attention import _flex_path, _row_attention
+from eagle3fn.unrolled.attention import is_flex_path, row_attention
 from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, AttentionImpl, Collectives,
                                       TTTConfig)
-from eagle3fn.unrolled.layout import _inside, _plan_steps, _StepPlan
+from eagle3fn.unrolled.layout import StepPlan, plan_steps, rows_inside
 from eagle3fn.unrolled.policy import choose_trim
 
 HEAD_CHUNK_LOGITS = 2**27
@@ -92,7 +92,7 @@ def _layer_rest(draft: Eagle3Draft, a_NhD: torch.Tensor, g_NH: torch.Tensor, fus
 
 def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
             rows: Sequence[torch.Tensor] | None, config: TTTConfig, attend,
-            plan: _StepPlan | None = None) -> list[torch.Tensor]:
+            plan: StepPlan | None = None) -> list[torch.Tensor]:
     """The ``config.ttt_length`` unrolled steps on the rows ``rows[j]`` of each step
     (``None``: every row).
 
@@ -125,13 +125,13 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
     def within(j, outer, inner):  # positions of the sorted rows inner inside sorted outer
         if inner is None:
             return None
-        return plan.within[j] if plan is not None and plan.within else _inside(outer, inner)
+        return plan.within[j] if plan is not None and plan.within else rows_inside(outer, inner)
 
     u = _layer_input(draft, ids_next[:, :C].flatten(), g_all, fused)
     cos, sin = rope_at(pos_flat)
     rope = elementwise(apply_rope, fused)
     k0 = rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
-    attend_rows = _row_attention(config, attend, features, valid, k0,
+    attend_rows = row_attention(config, attend, features, valid, k0,
                                  heads(attn.v_proj(u), cfg.num_kv_heads),
                                  None if plan is None else plan.layouts)
     prev = None if rows is None else rows[0]
@@ -159,7 +159,7 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
 
 def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
              attention: AttentionImpl = "eager", attend=None,
-             plan: _StepPlan | None = None) -> list[torch.Tensor]:
+             plan: StepPlan | None = None) -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
 
     Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
@@ -174,7 +174,7 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
 
 def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: int,
                      rows: Sequence[torch.Tensor], attention: AttentionImpl = "eager",
-                     attend=None, plan: _StepPlan | None = None) -> list[torch.Tensor]:
+                     attend=None, plan: StepPlan | None = None) -> list[torch.Tensor]:
     """``backbone`` computing only the rows a later loss needs (``computed_rows``).
 
     Step 0 computes keys and values for every own row (everyone's context) and the
@@ -199,11 +199,11 @@ class _Unrolled(torch.nn.Module):
 
     def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
-                collectives: Collectives | None = None, plan: _StepPlan | None = None):
+                collectives: Collectives | None = None, plan: StepPlan | None = None):
         attend = collectives.attend if collectives is not None else None
         if plan is None:
-            plan = _plan_steps(rowmap, config.trim, features,
-                               _flex_path(config.attention, attend, features), config.query_buckets)
+            plan = plan_steps(rowmap, config.trim, features,
+                               is_flex_path(config.attention, attend, features), config.query_buckets)
         # trim="backbone": the rows computed_rows gives (the plan holds them), else all
         outs = _unroll(self.draft, features, rowmap.num_rows, plan.computed, config, attend, plan)
         at = plan.at  # rows_j as positions in step j's output
@@ -301,7 +301,7 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         config = dataclasses.replace(config, trim=choose_trim(rowmap, config))
     # The steps' index maths first, on the host: its one download waits for nothing but
     # the row map, not for the teacher.
-    plan = _plan_steps(rowmap, config.trim, features, _flex_path(
+    plan = plan_steps(rowmap, config.trim, features, is_flex_path(
         config.attention, collectives.attend if collectives is not None else None, features),
         config.query_buckets)
     supervised_flat = None

@@ -148,7 +148,7 @@ def scatter_rows(rows_RX: torch.Tensor, positions_R: torch.Tensor, conversation_
 
 # ---- sizes ------------------------------------------------------------------------
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", FP8: "F8_E4M3",
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", FP8: "F8_E4M3",
                        torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 
 
@@ -173,7 +173,7 @@ def file_bytes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
              math.prod(s) * (1 if d == torch.bool else torch.iinfo(d).bits // 8)
              for k, (s, d) in shapes.items()}
     total = sum(sizes.values())
-    header = json.dumps({k: {"dtype": _SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [total, total]}
+    header = json.dumps({k: {"dtype": SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [total, total]}
                          for k, (s, d) in shapes.items()}, separators=(",", ":"))
     return 8 + -(-len(header) // 8) * 8 + total
 

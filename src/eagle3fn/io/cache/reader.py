@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.cache import layout
-from eagle3fn.io.cache.store import (DTYPES, EDITED, HEAD, MANIFEST, SHARD_KEYS, _file_problem, _load_manifest,
-                                     _nonfinite_row, _repair, read_manifest, rebuild_command, seal_fix,
+from eagle3fn.io.cache.store import (DTYPES, EDITED, HEAD, MANIFEST, SHARD_KEYS, file_problem, load_manifest,
+                                     nonfinite_row, read_manifest, repair_hint, rebuild_command, seal_fix,
                                      unlisted_shards)
 from eagle3fn.shapes import Features
 
-_ST_DTYPES = {name: layout._SAFETENSORS_DTYPES[dtype] for name, dtype in DTYPES.items()}
+_ST_DTYPES = {name: layout.SAFETENSORS_DTYPES[dtype] for name, dtype in DTYPES.items()}
 
 
 def _layout_problem(f, manifest: dict, name: str) -> str | None:
@@ -115,7 +115,7 @@ class FeatureCache:
         return x.to(self.dtype) if self.dtype is not None and x.is_floating_point() else x
 
     def _broken(self, name: str, why: str) -> RunError:
-        return RunError(f"feature cache {self.path}: {name} {why}; {_repair(self.path)}")
+        return RunError(f"feature cache {self.path}: {name} {why}; {repair_hint(self.path)}")
 
     def _open(self, name: str, entry: dict):
         path = self.path / name
@@ -233,7 +233,7 @@ class FeatureCache:
         if key in self._checked:
             return
         for field, offsets in (("aux", t["offsets"]), ("final_hidden", t["teacher_offsets"])):
-            flat = _nonfinite_row(t[field])
+            flat = nonfinite_row(t[field])
             if flat is not None:
                 if spans is not None:  # rows of the window: their conversation from the spans
                     sizes = torch.tensor([hi - lo for lo, hi in spans[field]])
@@ -281,7 +281,7 @@ def _shard_problem(t: dict[str, torch.Tensor], entry: dict) -> str | None:
             or len(t["teacher_positions"]) != len(t["final_hidden"])):
         return "index does not match its tensors (offsets, ids, aux, teacher rows)"
     aux = layout.dequantize_fp8(t["aux"], t["aux_scale"]) if "aux_scale" in t else t["aux"]
-    rows = {"aux": (_nonfinite_row(aux), offsets), "final_hidden": (_nonfinite_row(t["final_hidden"]), t_offsets)}
+    rows = {"aux": (nonfinite_row(aux), offsets), "final_hidden": (nonfinite_row(t["final_hidden"]), t_offsets)}
     bad = [f"{k} at row {int(torch.searchsorted(o, r, right=True)) - 1}" for k, (r, o) in rows.items()
            if r is not None]
     return "non-finite " + ", ".join(bad) if bad else None
@@ -300,14 +300,14 @@ def verify_cache(cache_dir: str | os.PathLike) -> CacheReport:
     path = Path(cache_dir)
     if not (path / MANIFEST).is_file():
         read_manifest(path)  # FileNotFoundError: not a feature cache
-    manifest, seal = _load_manifest(path)
+    manifest, seal = load_manifest(path)
     files = []
     if seal is not None:
         fix = (f"restore it, or rewrite the cache with {rebuild_command(path, manifest['fingerprint'])}"
                if seal == EDITED else seal_fix(path, manifest["fingerprint"]))
         files.append(FileStatus(MANIFEST, 0, 0, (path / MANIFEST).stat().st_size, f"{seal}; {fix}"))
     for s in manifest["shards"]:
-        problem = _file_problem(path / s["name"], s)
+        problem = file_problem(path / s["name"], s)
         if problem is None:
             try:
                 with safe_open(str(path / s["name"]), framework="pt") as f:
@@ -323,7 +323,7 @@ def verify_cache(cache_dir: str | os.PathLike) -> CacheReport:
                                 "on disk but not listed in the manifest (training would skip it)"))
     head = manifest.get("head")
     if head is not None or manifest["shards"]:
-        problem = "missing from the manifest" if head is None else _file_problem(path / HEAD, head)
+        problem = "missing from the manifest" if head is None else file_problem(path / HEAD, head)
         if problem is None:
             try:
                 target_head = load_file(str(path / HEAD)).get("target_head")
@@ -333,7 +333,7 @@ def verify_cache(cache_dir: str | os.PathLike) -> CacheReport:
                 want = [manifest.get("vocab_size"), manifest.get("hidden_size")]
                 if target_head is None or list(target_head.shape) != want:
                     problem = f"holds no target_head of shape {want}"
-                elif _nonfinite_row(target_head) is not None:
+                elif nonfinite_row(target_head) is not None:
                     problem = "non-finite target_head"
         files.append(FileStatus(HEAD, 0, 0, 0 if head is None else head["bytes"], problem))
     return CacheReport(path, manifest, files)
