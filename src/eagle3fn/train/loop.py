@@ -6,8 +6,10 @@ SIGTERM or SIGINT (``io.stop``) finishes the optimizer step in flight, saves the
 checkpoint and raises ``io.stop.Stopped`` (``stopped by SIGTERM at step N; rerun the
 same command to resume``; the CLI exits 143 / 130); rerunning the command resumes
 bitwise. Under torchrun the request rides the step's all-reduce of its finiteness
-flags, so every rank stops after the same step (torchrun passes a SIGTERM or SIGINT it
-receives on to every rank). A second signal stops at once.
+flags (a signal during the load: one all-reduce before the first step), so every rank
+stops after the same step, saves and raises ``Stopped`` with the same signal, whether
+every rank was signalled (torchrun passes a SIGTERM or SIGINT it receives on to every
+rank) or only one. A second signal stops at once.
 
 Writes ``metrics.jsonl`` (one row per logged step: loss, per-step kl/acc/accept, tau,
 lr, grad norm, tokens/s, non-finite batches skipped; and a ``"split": "eval"`` row per
@@ -37,7 +39,7 @@ import torch
 
 from eagle3fn.compiled import compile_backend
 from eagle3fn.io.device import resolve_device
-from eagle3fn.io.stop import StopRequest, graceful_stop
+from eagle3fn.io.stop import Stopped, StopRequest, graceful_stop
 from eagle3fn.parallel import all_reduce, is_main
 from eagle3fn.train.build import Run, build_run, check_draft_shape, check_paths, open_out_dir
 from eagle3fn.train.checkpoint import BEST, CHECKPOINT, best_record
@@ -149,14 +151,14 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
         log(compile_notice())
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
-    if stop.requested:  # during the load: nothing new to save
+    if signum := _agreed_before_start(run, stop):  # during the load: nothing new to save
         progress.close()
         metrics.close()
-        raise stop.stopped(f"step {run.step}")
+        raise Stopped(signum, f"step {run.step}")
     while run.step < run.total and run.epoch < cfg.epochs:
         order = run.source.order(run.epoch, cfg.seed)
         while True:
-            result = optimizer_step(run, order, log=log, on_grads=on_grads, stop_requested=lambda: stop.requested)
+            result = optimizer_step(run, order, log=log, on_grads=on_grads, stop_signal=lambda: stop.signal or 0)
             tokens += result.tokens
             last = _log_step(run, result, tokens, t0, metrics, progress, log) or last
             if run.holdout.items and (run.step == run.total
@@ -166,13 +168,12 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
                 run.save()
             if on_step is not None:
                 on_step(run.step)
-            # One process reads its own flag; several agree through the step's reduction.
-            if result.stop or (stop.requested and not run.layout):
+            if signum := _agreed(run, result, stop):
                 if not (run.step % cfg.save_every == 0 or run.step == run.total):  # not saved above
                     run.save()
                 progress.close()
                 metrics.close()
-                raise stop.stopped(f"step {run.step}")
+                raise Stopped(signum, f"step {run.step}")
             if run.step >= run.total or run.pos == 0:
                 break
     progress.close()
@@ -186,6 +187,24 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
             f"acc per step {[round(a, 2) for a in last['acc']]}, simulated tau {last['tau']:.2f}{skips}; "
             f"{run.checkpoint}, {run.out / METRICS}, {run.out / 'loss.png'}")
     return last
+
+
+def _agreed(run: Run, result: StepResult, stop: StopRequest) -> int:
+    """The signal to stop on after the step just taken, 0 to go on: one process reads
+    its own request; several read the request all-reduced with the step's finiteness
+    flags (``StepResult.stop``), the same on every rank whichever ranks were signalled
+    (a rank that read its own flag alone would stop while its peers wait in the next
+    step's collectives)."""
+    return result.stop if run.layout else stop.signal or 0
+
+
+def _agreed_before_start(run: Run, stop: StopRequest) -> int:
+    """The signal of a stop requested while the run loaded, on any rank (one all-reduce
+    under torchrun, before the first step's collectives), 0 for none."""
+    if not run.layout:
+        return stop.signal or 0
+    flag = torch.full((), float(stop.signal or 0), device=run.device)
+    return int(all_reduce(flag, "max"))
 
 
 def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, progress, log) -> dict | None:

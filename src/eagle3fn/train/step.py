@@ -40,9 +40,10 @@ class StepResult:
     lr: float
     nonfinite: bool
     tokens: int
-    stop: bool = False
-    """Some rank asked to stop (``io.stop``) before this step's reduction: every rank
-    sees the same value, so all stop after the same step."""
+    stop: int = 0
+    """The signal number of a stop request (``io.stop``) some rank had before this
+    step's reduction (the largest over the ranks), 0 for none: every rank sees the same
+    value, so all stop after the same step, signalled or not."""
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -168,14 +169,15 @@ def _backward(run: Run, order: list[int], starts: list[int]):
 
 def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
                    on_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-                   stop_requested: Callable[[], bool] | None = None) -> StepResult:
+                   stop_signal: Callable[[], int] | None = None) -> StepResult:
     """The next optimizer step from ``run.pos`` of ``order``: gradients, the finiteness
     check (riding the step's one device read, which also brings the logged gradient
     norm and metrics, ``_download``; one process with host masks makes no other),
     AdamW; advances ``run.step``, ``run.pos`` / ``run.epoch``. A non-finite step raises RunError naming
     the step, its batches and the last good checkpoint, or with ``on_nonfinite="skip"``
-    updates nothing and is counted in ``run.skipped``. ``stop_requested()`` (a signal's
-    stop request) rides the same all-reduce, so ``StepResult.stop`` agrees on every rank."""
+    updates nothing and is counted in ``run.skipped``. ``stop_signal()`` (the signal
+    number of this rank's stop request, 0 for none) rides the same all-reduce, so
+    ``StepResult.stop`` agrees on every rank."""
     cfg = run.cfg
     starts = step_starts(run.pos, len(order), run.dp, cfg.grad_accum)
     items, objective, bad, tokens = _backward(run, order, starts)
@@ -185,7 +187,7 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     clip = math.inf if cfg.grad_clip is None else cfg.grad_clip
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    stop = torch.full((), float(stop_requested is not None and stop_requested()), device=bad.device)
+    stop = torch.full((), float(stop_signal() if stop_signal is not None else 0), device=bad.device)
     flags = all_reduce(torch.stack([bad, (~torch.isfinite(grad_norm)).to(bad.dtype), stop]), "max")
     (grad_norm, flag, stop), objective = _download(torch.stack([grad_norm.double(), flags[:2].max().double(),
                                                                 flags[2].double()]), objective)
@@ -211,4 +213,4 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     run.step += 1
     if run.pos == len(order):
         run.epoch, run.pos = run.epoch + 1, 0
-    return StepResult(objective, grad_norm, lr, nonfinite, tokens, stop=stop > 0)
+    return StepResult(objective, grad_norm, lr, nonfinite, tokens, stop=int(stop))
