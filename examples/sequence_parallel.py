@@ -48,7 +48,8 @@ def main(parallel: ParallelConfig) -> None:
     sharded = shard(params, layout)
     whole = gather(sharded)
     got = ttt(whole, local, rowmap, config, d2t=d2t, t2d=t2d,
-              collectives=collectives(layout, rowmap.denominator, device))
+              collectives=collectives(layout, rowmap.denominator, device, config.attention,
+                                      compile_elementwise=config.compile_elementwise))
     got.objective.backward()
     reduce_grads(sharded, whole)
     grads = full({n: p.grad for n, p in sharded.items() if p.requires_grad})
