@@ -380,7 +380,8 @@ def test_graph_path_equals_target_greedy_on_cuda(monkeypatch):
     are ``model.generate``'s, the accepted counts ``impl="static"``'s, three graphs
     recorded once; the target alone on the same path (``target_generate(impl="graph")``,
     its decode step one graph) equals ``model.generate``. In bf16, ``evaluate``'s default
-    is this path on both sides and its identity check passes. Control: a rollback one
+    is this path on both sides and its identity check passes (with the vocab map on the
+    CPU, as ``eagle3fn eval`` reads it). Control: a rollback one
     column short (``n`` instead of ``n + 1``) is caught by the same comparison."""
     import types
 
@@ -418,8 +419,10 @@ def test_graph_path_equals_target_greedy_on_cuda(monkeypatch):
     recorded.clear()
     assert target_generate(target, tok, prompts, SpecConfig(max_new_tokens=new), impl="graph") == want
     assert recorded == ["_step"]
-    bf16 = agreeing_pair(dtype=torch.bfloat16, device="cuda")
-    result = evaluate(*bf16, prompts, SpecConfig(num_draft_tokens=k, max_new_tokens=new), batch_size=4)
+    b_target, b_params, b_cfg, b_d2t = agreeing_pair(dtype=torch.bfloat16, device="cuda")
+    # d2t on the CPU, as ``eagle3fn eval`` reads it: simulated_tau's teacher must move it.
+    result = evaluate(b_target, b_params, b_cfg, b_d2t.cpu(), prompts,
+                      SpecConfig(num_draft_tokens=k, max_new_tokens=new), batch_size=4)
     assert result["impl"] == "graph" and "outputs identical" in result["identity"]
     monkeypatch.setattr(graphed, "kept_columns", lambda n, live: torch.where(live, n, 0))
     assert run()[0] != want

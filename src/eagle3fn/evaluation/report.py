@@ -43,11 +43,14 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
     Each sequence (int64 ``[T_i]``, prompt + generated) is one right-padded sample of a
     batch; the loss mask is ``m_p = 1`` for ``p >= L_i - 1`` (``L_i`` its prompt length),
     so the supervised rows predict ``x_{L_i + 1}`` onward, the tokens that verification
-    rounds judge. Returns the ``Objective``; ``tau = 1 + sum_j prod_{i<=j} acc_j``.
+    rounds judge. ``d2t`` may live on another device than the target (``eagle3fn eval``
+    reads it on the CPU): it is moved to the sequences' device. Returns the
+    ``Objective``; ``tau = 1 + sum_j prod_{i<=j} acc_j``.
     """
     lengths = [int(s.numel()) for s in sequences]
     B, S = len(sequences), max(lengths)
     device = sequences[0].device
+    d2t = d2t.to(device)
     ids = torch.zeros(B, S, dtype=torch.long, device=device)
     attention = torch.zeros(B, S, dtype=torch.long, device=device)
     loss_mask = torch.zeros(B, S, dtype=torch.bool, device=device)
