@@ -160,7 +160,11 @@ def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch
     verdict = next(i for i, line in enumerate(lines) if line.startswith("result: "))
     assert lines[verdict].startswith("result: with the trained draft, decoding on this machine is SLOWER than the "
                                      "target alone (0.75x, acceptance length 1.25)")
-    assert "on one H200, SmolLM2-135M-Instruct" in lines[verdict + 1] and verdict + 2 == len(lines)
+    from importlib import resources
+    shipped = json.loads((resources.files("eagle3fn.demo") / "gpu_result.json").read_text())
+    assert f"on {shipped['device']}, {shipped['target']} trained on {shipped['conversations']}" in lines[verdict + 1]
+    assert f"speedup {shipped['speedup']:.2f}x at batch {shipped['batch']}" in lines[verdict + 1]
+    assert verdict + 2 == len(lines)
 
 
 def test_demo_verdict_says_faster_only_above_one():
