@@ -26,8 +26,8 @@ N)``, of:
     python benchmarks/packing.py --conversations 4000 --out packing-4000.json
 
 ``--conversations 320`` is benchmarks/train.py's data (``--steps 80 --batch-size 4``);
-with 104 and 120 (its H200 runs docs/bench/train-8b-online-pack-s10.json and
-train-8b-online-s10-dynamic.json) first-fit gives the padding those runs measured,
+with 104 and 120 (its H200 runs docs/bench/train-8b-online-vs-specforge-shipped.json and
+train-8b-online-pack-vs-unpacked.json) first-fit gives the padding those runs measured,
 10.29% and 9.48%.
 """
 

@@ -17,7 +17,7 @@ T tokens (``io.packing.pack_examples``, ``collate_packed``) and cut into batches
 rows. Medians over ``--reps`` passes over ``--batches`` batches, old and new
 interleaved; ``ops`` counts the dispatched aten ops of one batch (views included).
 
-    python benchmarks/plan_host.py --out docs/bench/plan-host-s13.json
+    python benchmarks/plan_host.py --out docs/bench/plan-host.json
 """
 
 from __future__ import annotations

@@ -473,7 +473,7 @@ def test_parameter_counts_equal_init_params():
 BENCH_PEAKS = [  # (S, trim, GiB): 8B shapes, 30% tail, bf16, no optimizer
     # The H200's max_memory_allocated with benchmarks/step.py's protocol for the packed
     # FlexAttention path with fused elementwise chains, first mode in its process
-    # (docs/bench/step-131072.json). The 8192 runs of this code
+    # (docs/bench/step-131072-fp32-table.json). The 8192 runs of this code
     # (docs/bench/step-8192-final.json, 20.37 / 10.09 GiB for none / backbone) came
     # after SpecForge in the same process and sit a constant ~1.75 GiB (SpecForge's
     # copy of the weights) above the planner's 18.60 / 8.35, so they are not used
@@ -523,10 +523,10 @@ def test_bench_peak_negative_control(measured_code):
 CURRENT_PEAKS = [  # (S, trim, optimizer, GiB): 8B shapes, 30% tail, the current code
     # H200, benchmarks/step.py, each in a process where SpecForge had not run (the
     # first mode, or after another eagle3fn mode): docs/bench/
-    # step-8192-diagnose-merge.json (8192, none after backbone), step-32768-session4.json
+    # step-8192-diagnose-merge.json (8192, none after backbone), step-32768-tail-30-100.json
     # (32768, loss after backbone), step-262144-optimizer.json
     # (--optimizer: fp32 masters, bf16 copies, AdamW state; 133.26 GiB of 139); session 8:
-    # step-131072-s8.json (first mode), step-32768-prof-s8.json (none after backbone).
+    # step-131072-compact-table.json (first mode), step-32768-profile.json (none after backbone).
     (8192, "backbone", False, 7.34), (8192, "none", False, 17.60),
     (32768, "backbone", False, 18.55), (32768, "loss", False, 46.24),
     (32768, "none", False, 61.96), (131072, "backbone", False, 64.89),
@@ -534,9 +534,9 @@ CURRENT_PEAKS = [  # (S, trim, optimizer, GiB): 8B shapes, 30% tail, the current
 
 
 DENSITY_PEAKS = [  # (S, density, pattern, trim, GiB): 8B shapes, session 7's clean
-    # processes (no SpecForge before them): docs/bench/step-short-s7.json,
-    # step-8192-none100-s7.json, step-8192-cal-tail-s7.json, step-cal-scattered-s7.json;
-    # session 8: step-8192-auto-share-s8.json, step-32768-auto-share-s8.json (after none).
+    # processes (no SpecForge before them): docs/bench/step-short-1024-2048.json,
+    # step-8192-none-density100.json, step-8192-calibrate-tail.json, step-calibrate-scattered.json;
+    # session 8: step-8192-auto-share.json, step-32768-auto-share.json (after none).
     (1024, 0.1, "tail", "none", 5.20), (1024, 0.1, "tail", "backbone", 3.91),
     (1024, 1.0, "tail", "backbone", 4.92), (2048, 0.45, "scattered", "none", 6.86),
     (2048, 0.45, "scattered", "backbone", 5.77), (2048, 0.6, "scattered", "backbone", 5.96),
