@@ -141,11 +141,11 @@ class PrepareArgs:
     target runs on CUDA, float32 on the CPU)."""
     aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
     """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
-    per token and aux layer (about half the bytes of bfloat16; lossy, see docs/cache.md)."""
+    per token and aux layer (about half the bytes of bfloat16; lossy, see docs/reference/what-the-cache-stores.md)."""
     compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
-    shard; docs/dataflow.md). The cache differs only by rounding and keeps its
+    shard; docs/explanation/what-each-stage-computes.md). The cache differs only by rounding and keeps its
     fingerprint (a cache may be resumed with either). The CPU runs eagerly."""
     overwrite: bool = False
     """Write the cache into --out even when it is a non-empty directory that holds no

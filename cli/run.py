@@ -31,7 +31,7 @@ class ExportArgs:
     (their speculative draft model path). speculators: the
     vllm-project speculators layout (its Eagle3DraftModel.from_pretrained, vllm serve
     <out>); it ships the target's embedding (read from its weights by name) and names
-    the target's path as its verifier. docs/export.md says which versions are tested."""
+    the target's path as its verifier. docs/reference/what-an-export-contains.md says which versions are tested."""
     best: bool = False
     """Export checkpoint-best.pt (the step with the highest held-out acceptance length,
     written when training measures it) instead of the last checkpoint."""

@@ -415,10 +415,10 @@ def test_export_rejects_bad_inputs(tmp_path):
 
 
 def test_docs_example_runs():
-    """docs/export.md's python blocks run (docs/tutorials pages are run by test_docs)."""
-    text = (ROOT / "docs" / "export.md").read_text()
+    """docs/reference/what-an-export-contains.md's python blocks run (docs/tutorials pages are run by test_docs)."""
+    text = (ROOT / "docs" / "reference" / "what-an-export-contains.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     assert blocks
     namespace = {}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"export.md[block {i}]", "exec"), namespace)
+        exec(compile(block, f"what-an-export-contains.md[block {i}]", "exec"), namespace)

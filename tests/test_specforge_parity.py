@@ -2,7 +2,7 @@
 
 Same weights (the parameter names are SpecForge's), same batch; per-step losses,
 accuracies, acceptance and every parameter gradient agree in fp32 (1e-5). See
-docs/deviations.md for what differs on purpose (nothing exercised here).
+docs/explanation/what-differs-from-specforge.md for what differs on purpose (nothing exercised here).
 """
 
 import dataclasses

@@ -287,7 +287,7 @@ def test_every_target_family_compiles_to_its_eager_features(kind):
     from torch._dynamo.utils import counters
 
     # A model of its own: test_target's shared ones have met output_hidden_states calls,
-    # whose capturing hooks break a compiled layer's graph (docs/dataflow.md).
+    # whose capturing hooks break a compiled layer's graph (docs/explanation/what-each-stage-computes.md).
     target = load_target(build(kind), aux_layer_ids=FAMILY_AUX)
     ids, attention, _ = inputs(kind, image=False)
     want = target_features(target, ids, attention)

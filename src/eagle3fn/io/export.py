@@ -3,7 +3,7 @@
 Legend: V target vocab, Vd draft vocab, H draft hidden, Ht target hidden, N target
 decoder layers. Aux layer ids are output-of-layer ids (``io/target.py``).
 
-Layout (docs/export.md gives every key and how each engine reads it)::
+Layout (docs/reference/what-an-export-contains.md gives every key and how each engine reads it)::
 
     config.json          LlamaConfig-style dict: architectures ["LlamaForCausalLMEagle3"],
                          sizes, draft_vocab_size, target_hidden_size, rope fields,
@@ -365,7 +365,7 @@ def _warn_where_engines_differ(cfg: DraftConfig, ids: tuple[int, int, int]) -> N
             f"aux_layer_ids={list(ids)} do not start at 1: SGLang before PR #25454 adds 1 "
             "to eagle_config's ids, later SGLang adds 1 only when the first id is 1, so "
             "SGLang versions capture different layers for this export (vLLM reads the "
-            "unambiguous top-level ids); see docs/export.md", UserWarning, stacklevel=3)
+            "unambiguous top-level ids); see docs/reference/what-an-export-contains.md", UserWarning, stacklevel=3)
     rope = cfg.rope
     if rope.rope_type == "longrope" or (rope.rope_type == "yarn" and (not rope.truncate
                                                                       or rope.attention_factor is not None)):
@@ -374,7 +374,7 @@ def _warn_where_engines_differ(cfg: DraftConfig, ids: tuple[int, int, int]) -> N
             f"{', attention_factor' if rope.attention_factor is not None else ''}) is written as "
             "transformers defines it, but SGLang's yarn always truncates and scales attn_factor "
             "differently, and SpecForge has neither these yarn fields nor longrope: check that your "
-            "engine computes these frequencies before serving (docs/export.md)", UserWarning, stacklevel=3)
+            "engine computes these frequencies before serving (docs/reference/what-an-export-contains.md)", UserWarning, stacklevel=3)
 
 
 def _max_positions(cfg: DraftConfig, text: dict) -> int:
