@@ -1,4 +1,4 @@
-"""HF target backend (io/target.py) on real tiny transformers models built from config.
+"""HF target backend (io/target/) on real tiny transformers models built from config.
 
 Backbone and head are found through multimodal wrappers; the captured aux features
 equal ``output_hidden_states[i + 1]`` (Qwen3-VL: plus its deepstack injection, what the

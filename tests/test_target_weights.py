@@ -17,6 +17,7 @@ from test_target import BUILD, build
 from test_train import config, workdir  # noqa: F401 - the tiny target and chat
 
 import eagle3fn.io.target as target_module
+import eagle3fn.io.target.loading as target_loading
 from eagle3fn.io.target import TargetWeights, load_embedding_and_head, load_target
 from eagle3fn.train.checkpoint import CHECKPOINT, read_checkpoint
 from eagle3fn.train.loop import train
@@ -132,7 +133,7 @@ def test_a_model_class_that_cannot_be_built_is_a_reason(tmp_path, monkeypatch):
 
     def refuse(config):
         raise ValueError("needs trust_remote_code")
-    monkeypatch.setattr(target_module, "_auto_class", lambda config: type("C", (), {"from_config": refuse}))
+    monkeypatch.setattr(target_loading, "_auto_class", lambda config: type("C", (), {"from_config": refuse}))
     got = load_embedding_and_head(path, aux_layer_ids=(0, 1, 2), dtype=torch.float32, device="cpu")
     assert isinstance(got, str) and "could not be built on the meta device (ValueError: needs" in got
 

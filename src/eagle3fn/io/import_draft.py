@@ -2,7 +2,7 @@
 trainer wrote into what eagle3fn's evaluation needs.
 
 Legend: V target vocab, Vd draft vocab, H draft hidden, Ht target hidden, N target
-decoder layers. Aux layer ids are output-of-layer ids (``io/target.py``).
+decoder layers. Aux layer ids are output-of-layer ids (``io.target.checks``).
 
 Directories read (``load_draft``)::
 
