@@ -9,7 +9,8 @@ import torch
 from test_ttt import CFG, FAMILIES, K, S, assert_same, make_batch, run
 
 import eagle3fn.unrolled as ttt_module
-import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.blocks as blocks_module
+import eagle3fn.unrolled.flex as unrolled_flex
 import eagle3fn.unrolled.layout as layout_module
 import eagle3fn.unrolled.policy as policy_module
 from eagle3fn.align import supervised_mask
@@ -234,7 +235,7 @@ def test_host_plan_equals_per_step_index_maths(family):
         assert torch.equal(plan.at[j], torch.searchsorted(c, r))
         if j:
             assert torch.equal(plan.within[j], torch.searchsorted(computed[j - 1], c))
-        want = attention_module.packed_layout(c, lengths, S, attention_module.padded_key_len(B * S))
+        want = blocks_module.packed_layout(c, lengths, S, blocks_module.padded_key_len(B * S))
         got = plan.layouts[j]
         assert got.num_queries == want.num_queries == c.numel()
         for x, y in zip((got.start, got.last, *got.tables), (want.start, want.last, *want.tables)):
@@ -269,8 +270,8 @@ def test_host_plan_survives_its_upload(monkeypatch, trim):
     assert sent and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     if trim != "backbone":
         assert all(lay is moved.layouts[0] for lay in moved.layouts)
-        every = attention_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
-                                               attention_module.padded_key_len(B * S))
+        every = blocks_module.packed_layout(torch.arange(B * S), f.attention_mask.sum(1), S,
+                                            blocks_module.padded_key_len(B * S))
         assert all(torch.equal(x, y) for x, y in zip(
             (every.start, every.last, *every.tables), _plan_tensors(host)[:2 + len(every.tables)]))
         assert sent[0] == 2 + len(every.tables)  # one layout sent, not k
@@ -290,8 +291,8 @@ def test_packed_flex_attention_checks_its_layout():
     q = torch.zeros(rows[j].numel(), 2, 4)
     k0 = torch.zeros(2 * S, 1, 4)
     with pytest.raises(ValueError, match="layout is for"):
-        attention_module.packed_flex_attention(q, rows[j], attention_module.packed_keys(k0, k0), None,
-                                               f.attention_mask.sum(1), S, plan.layouts[0], fused=True)
+        unrolled_flex.packed_flex_attention(q, rows[j], unrolled_flex.packed_keys(k0, k0), None,
+                                            f.attention_mask.sum(1), S, plan.layouts[0], fused=True)
 
 
 def test_host_plan_runs_on_one_thread(monkeypatch):

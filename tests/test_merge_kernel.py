@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import eagle3fn.kernels.merge as merge_module
-import eagle3fn.unrolled.attention as ttt_module
+import eagle3fn.unrolled.merges as ttt_module
 from eagle3fn.kernels.merge import merge_diagonal, merge_diagonal_naive
 
 

@@ -24,6 +24,9 @@ import eagle3fn.plan.rows as plan_rows_module
 import eagle3fn.plan.saved as plan_saved
 import eagle3fn.unrolled as unrolled
 import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.blocks as blocks_module
+import eagle3fn.unrolled.flex as unrolled_flex
+import eagle3fn.unrolled.merges as merges_module
 import eagle3fn.unrolled.unroll as unroll_module
 from eagle3fn.draft import DraftConfig, init_params
 from eagle3fn.plan import (ALLOCATOR_OVERHEAD_BYTES, GiB, PlanArgs, estimate, format_plan, plan,
@@ -64,7 +67,7 @@ def cpu_compiled() -> dict:
             (unroll_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
             (unroll_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
             (unroll_module, "swiglu"): compile_(draft_module.swiglu.eager),
-            (attention_module, "merge_diagonal"): merge_kernel.merge_diagonal}
+            (merges_module, "merge_diagonal"): merge_kernel.merge_diagonal}
 
 
 def draft_config(args: PlanArgs) -> DraftConfig:
@@ -325,7 +328,7 @@ def real_mask_blocks(args: PlanArgs) -> tuple[list[int], list[int]]:
     those of the mask it would build with every query's window one key block too long
     (a code change the comparison must catch; built from the same call's arguments,
     which come from the row map alone, so one run gives both)."""
-    real_mask = attention_module.packed_block_mask
+    real_mask = unrolled_flex.packed_block_mask
     counts, wrong = [], []
 
     def blocks(mask):
@@ -335,14 +338,14 @@ def real_mask_blocks(args: PlanArgs) -> tuple[list[int], list[int]]:
         mask = real_mask(start, last, num_queries, key_len, mask_mod, tables)
         counts.append(blocks(mask))
         # the tables planned on the host are those of the real windows
-        wrong.append(blocks(real_mask(start, last + attention_module.FLEX_BLOCK, num_queries, key_len, mask_mod)))
+        wrong.append(blocks(real_mask(start, last + blocks_module.FLEX_BLOCK, num_queries, key_len, mask_mod)))
         return mask
 
     features, rm, params, d2t, t2d = batch(args)
     config = TTTConfig(draft=draft_config(args), ttt_length=args.ttt_length, trim=args.trim,
                        attention="flex", loss_impl="torch")
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        mp.setattr(attention_module, "packed_block_mask", spy)
+        mp.setattr(unrolled_flex, "packed_block_mask", spy)
         mp.setattr(flex_module, "_validate_device", lambda *a, **kw: None)
         unrolled.ttt(params, features, rm, config, d2t=d2t, t2d=t2d)
     return counts, wrong

@@ -12,7 +12,7 @@ rows shifted by one, per-step windows or offsets not restarted at each step, and
 import pytest
 import torch
 
-import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.blocks as blocks_module
 import eagle3fn.unrolled.layout as layout_module
 from eagle3fn.align import document_starts
 from eagle3fn.shapes import Features
@@ -90,8 +90,8 @@ def oracle(rowmap, trim: str, features: Features, flex: bool, query_buckets: int
     B, C = rowmap.batch_size, rowmap.num_rows
     lengths = features.attention_mask[:, :C].sum(1)
     starts = document_starts(features.positions[:, :C]) if features.positions is not None else None
-    Lp = attention_module.padded_key_len(B * C)
-    lay = lambda rows: attention_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)  # noqa: E731
+    Lp = blocks_module.padded_key_len(B * C)
+    lay = lambda rows: blocks_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)  # noqa: E731
     inside = lambda a, b: torch.searchsorted(a, b).clamp_max(max(a.numel() - 1, 0))  # noqa: E731
     if trim != "backbone":
         every = lay(torch.arange(B * C)) if flex else None
@@ -204,19 +204,19 @@ def test_packed_layouts_equal_packed_layout(lengths, packed, query_buckets, q_ta
     ``packed_layout`` of each list, bitwise; also for a torch whose ``BlockMask`` takes
     the query-major tables only."""
     if not q_tables:
-        monkeypatch.setattr(attention_module, "_block_mask_takes_q_tables", lambda: False)
+        monkeypatch.setattr(blocks_module, "_block_mask_takes_q_tables", lambda: False)
     C, B = 300, len(lengths)
     g = torch.Generator().manual_seed(1)
     lists = [torch.randperm(B * C, generator=g)[:n].sort().values for n in (1, 5, 130, B * C // 3, B * C - 1)]
     lists.append(torch.arange(B * C))
     pos = (torch.arange(C) % 70).repeat(B, 1)
     starts = document_starts(pos) if packed else None
-    Lp = attention_module.padded_key_len(B * C)
+    Lp = blocks_module.padded_key_len(B * C)
     lengths = torch.tensor(lengths)
     for chosen in (lists, lists[-1:], lists[2:4]):
-        got = attention_module.packed_layouts(chosen, lengths, C, Lp, query_buckets, starts)
+        got = blocks_module.packed_layouts(chosen, lengths, C, Lp, query_buckets, starts)
         for rows, lay in zip(chosen, got):
-            want = attention_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)
+            want = blocks_module.packed_layout(rows, lengths, C, Lp, query_buckets, starts)
             assert len(want.tables) == (8 if q_tables else 4)
             assert differences(_one(lay), (None, [want], None, [])) == []
 
@@ -250,8 +250,8 @@ def test_windows_not_restarted_per_step_are_caught(realistic, monkeypatch):
     """Negative control: every step given step 0's per-step constants (last query,
     active blocks, count bins), as if the windows ran on from step to step."""
     f, rm, qb, want = realistic
-    real = attention_module._per_segment
-    monkeypatch.setattr(attention_module, "_per_segment",
+    real = blocks_module._per_segment
+    monkeypatch.setattr(blocks_module, "_per_segment",
                         lambda values, counts, device: real([[v[0]] * len(v) for v in values], counts, device))
     assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
 
@@ -259,8 +259,8 @@ def test_windows_not_restarted_per_step_are_caught(realistic, monkeypatch):
 def test_a_wrong_step_offset_is_caught(realistic, monkeypatch):
     """Negative control: the last step's offset into the concatenation one too far."""
     f, rm, qb, want = realistic
-    real = attention_module._offsets
-    monkeypatch.setattr(attention_module, "_offsets", lambda sizes: real(sizes)[:-1] + [real(sizes)[-1] + 1])
+    real = blocks_module._offsets
+    monkeypatch.setattr(blocks_module, "_offsets", lambda sizes: real(sizes)[:-1] + [real(sizes)[-1] + 1])
     assert differences(layout_module.plan_steps(rm, "backbone", f, True, qb), want)
 
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 from recorders import WORDS, save_tiny_target
 
-import eagle3fn.unrolled.attention as attention_module
+import eagle3fn.unrolled.blocks as blocks_module
+import eagle3fn.unrolled.flex as unrolled_flex
 from eagle3fn.compiled import RecompileCounter, compile_on_cpu
 from eagle3fn.train.config import TrainConfig, TTTOptions
 from eagle3fn.train.loop import train
@@ -51,9 +52,9 @@ def recompiles_per_step(workdir, out, monkeypatch, **kw) -> tuple[list[int], lis
     import torch.nn.attention.flex_attention as flex_module
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
-    monkeypatch.setattr(attention_module, "FLEX_BLOCK", 16)  # GPU-sized lengths at CPU cost
+    monkeypatch.setattr(blocks_module, "FLEX_BLOCK", 16)  # GPU-sized lengths at CPU cost
     queries, keys = set(), set()
-    compiled = attention_module.compiled_flex
+    compiled = unrolled_flex.compiled_flex
 
     def spy(backend):
         attend = compiled(backend)
@@ -63,7 +64,7 @@ def recompiles_per_step(workdir, out, monkeypatch, **kw) -> tuple[list[int], lis
             keys.add(k.shape[2])
             return attend(q, k, v, **kwargs)
         return call
-    monkeypatch.setattr(attention_module, "compiled_flex", spy)
+    monkeypatch.setattr(unrolled_flex, "compiled_flex", spy)
     cfg = TrainConfig(**{**dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
                                 draft_vocab_size=64, batch_size=4, epochs=1, ttt_length=3, lr=1e-3,
                                 device="cpu", save_every=1000, ttt=TTTOptions(attention="flex"),
@@ -137,9 +138,9 @@ def test_control_static_flex_recompiles(workdir, tmp_path, monkeypatch):
     """The same run with FlexAttention compiled shape-static and its lengths unmarked."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(attention_module, "_dynamic_lengths", lambda *args: None)
+    monkeypatch.setattr(unrolled_flex, "_dynamic_lengths", lambda *args: None)
     static = {}
-    monkeypatch.setattr(attention_module, "compiled_flex",
+    monkeypatch.setattr(unrolled_flex, "compiled_flex",
                         lambda backend: static.setdefault(backend, torch.compile(flex_attention, dynamic=False,
                                                                                  backend=backend)))
     counts, examples, _, _ = recompiles_per_step(workdir, tmp_path / "run", monkeypatch, trim="backbone",

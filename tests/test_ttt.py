@@ -414,7 +414,7 @@ def test_packed_query_len_buckets():
     QUERY_BUCKETS, in blocks; at least the minimum) of padding: few distinct shapes."""
     from eagle3fn.unrolled import FLEX_BLOCK, packed_query_len
     from eagle3fn.unrolled import DEFAULT_QUERY_BUCKETS as QUERY_BUCKETS
-    from eagle3fn.unrolled.attention import MIN_FLEX_BLOCKS
+    from eagle3fn.unrolled.blocks import MIN_FLEX_BLOCKS
 
     for Lp in (256, 1024, 8192, 8320, 262144):
         unit = max(-(-Lp // (QUERY_BUCKETS * FLEX_BLOCK)) * FLEX_BLOCK, MIN_FLEX_BLOCKS * FLEX_BLOCK)
@@ -491,7 +491,7 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
     control: the same ranges without skipping padding query blocks list more pairs."""
     from torch.nn.attention.flex_attention import _transpose_ordered
 
-    from eagle3fn.unrolled.attention import FLEX_BLOCK, _transposed_tables, packed_block_mask, packed_query_len
+    from eagle3fn.unrolled.blocks import FLEX_BLOCK, _transposed_tables, packed_block_mask, packed_query_len
 
     rows = _rows_of(pattern, lengths, C)
     Lp = -(-len(lengths) * C // FLEX_BLOCK) * FLEX_BLOCK
@@ -512,7 +512,7 @@ def test_packed_block_mask_key_major_tables_are_the_transpose(C, lengths, patter
         assert _listed(num, idx) == _listed(*_transpose_ordered(getattr(bm, f"{kind}kv_num_blocks"),
                                                                 getattr(bm, f"{kind}kv_indices"))), kind
         assert _listed(getattr(bm, f"{kind}q_num_blocks"), getattr(bm, f"{kind}q_indices")) == _listed(num, idx)
-    from eagle3fn.unrolled.attention import _block_mask_takes_q_tables
+    from eagle3fn.unrolled.blocks import _block_mask_takes_q_tables
 
     assert _block_mask_takes_q_tables()  # this torch gets ours, not its own transposition
     wrong = _transposed_tables(*ranges, M, Lp // FLEX_BLOCK)
@@ -528,7 +528,7 @@ def test_flex_kernel_options_reach_cuda_calls_only(monkeypatch):
     dropped."""
     import torch.nn.attention.flex_attention as flex_module
 
-    import eagle3fn.unrolled.attention as ttt_module
+    import eagle3fn.unrolled.flex as ttt_module
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert ttt_module.flex_kernel_options(cuda, None) is None

@@ -6,7 +6,7 @@ one graph serves every batch length and row count, so a run compiles during its 
 steps and not again (``RecompileCounter`` counts dynamo's recompilations; the loop's
 test and benchmarks/train.py report them). What would still specialise is kept away
 from the boundaries dynamo specialises on: FlexAttention's query and key lengths are at
-least two blocks (``unrolled.attention.MIN_FLEX_BLOCKS``), since dynamo treats sizes 0
+least two blocks (``unrolled.blocks.MIN_FLEX_BLOCKS``), since dynamo treats sizes 0
 and 1 (one block) as constants.
 
 Inductor itself adds guards where it decides by size: its "mix-order reduction" (the

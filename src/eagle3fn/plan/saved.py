@@ -23,7 +23,7 @@ import math
 from eagle3fn.plan.args import PlanArgs, attention_kind
 from eagle3fn.plan.rows import Rows
 from eagle3fn.unrolled import DEFAULT_QUERY_BUCKETS, FLEX_BLOCK, packed_query_len
-from eagle3fn.unrolled.attention import MIN_FLEX_BLOCKS
+from eagle3fn.unrolled.blocks import MIN_FLEX_BLOCKS
 
 FLEX_SAVES_MAX_SCORES = True
 """FlexAttention keeps an fp32 ``[1, h, Qp]`` row maximum beside its log-sum-exp

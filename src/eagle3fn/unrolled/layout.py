@@ -9,7 +9,7 @@ What is planned: per step, the flex path's ``PackedLayout`` (query windows, from
 query's document start in a packed batch, and block tables); under ``trim="backbone"``
 the positions of step j's computed rows inside step j-1's (``within``) and of
 ``rows_j`` inside step j's (``at``). All k steps in one batched pass over their
-concatenated rows (``attention.packed_layouts``, ``_insides``), not k passes: the host
+concatenated rows (``blocks.packed_layouts``, ``_insides``), not k passes: the host
 runs this before every step, on the training thread.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from eagle3fn.align import document_starts
 from eagle3fn.shapes import Features, HostRows, RowMap
-from eagle3fn.unrolled.attention import PackedLayout, packed_layout, packed_layouts, padded_key_len
+from eagle3fn.unrolled.blocks import PackedLayout, packed_layout, packed_layouts, padded_key_len
 from eagle3fn.unrolled.config import DEFAULT_QUERY_BUCKETS
 from eagle3fn.unrolled.policy import computed_rows
 from eagle3fn.unrolled.runtime import one_thread
@@ -109,7 +109,7 @@ def _host_layouts(rows: Sequence[torch.Tensor | None], lengths_B: torch.Tensor, 
     """``packed_layout`` of each step's rows (host tensors ``[n_j]``; ``None``: every
     row), None for a step without rows; ``starts_BC``: a packed batch's document starts
     (int64 ``[B, C]``). All the steps' layouts in one batched pass
-    (``attention.packed_layouts``), equal tensor for tensor to
+    (``blocks.packed_layouts``), equal tensor for tensor to
     ``_host_layouts_per_step``. The every-row layout is built once and shared by the
     steps that use it (``trim`` none / loss: every step)."""
     B = lengths_B.numel()
