@@ -1,6 +1,9 @@
-"""Shared test helpers: a dispatch-level op recorder and a tiny saved target."""
+"""Shared test helpers: a dispatch-level op recorder, a recorder of the rows each draft
+weight is applied to, and a tiny saved target."""
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -19,6 +22,35 @@ class OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.shapes.append(tuple(t.shape))
         return out
+
+
+class ParamRows(TorchFunctionMode):
+    """The rows each watched draft weight is applied to, call by call: ``seen[name]``
+    lists, for the module path ``name`` (``"midlayer.self_attn.q_proj"``, weight
+    ``name + ".weight"`` of ``params``), the rows (leading numel) of the input of every
+    ``F.linear`` with that weight and of every product with it (a norm: weight times its
+    normalised input). Weights are recognised by value, as the code under test may run
+    on copies of ``params``."""
+
+    def __init__(self, params: dict, names) -> None:
+        super().__init__()
+        self.watched = [(n, params[n + ".weight"].detach()) for n in names]
+        self.seen = {}
+
+    def _record(self, weight, x) -> None:
+        for name, p in self.watched:
+            if (isinstance(weight, torch.Tensor) and weight.shape == p.shape and weight.dtype == p.dtype
+                    and torch.equal(weight.detach(), p)):
+                self.seen.setdefault(name, []).append(x.shape[:-1].numel())
+                return
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            self._record(args[1] if len(args) > 1 else kwargs["weight"], args[0])
+        elif func is torch.Tensor.mul and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            self._record(args[0], args[1])
+        return func(*args, **kwargs)
 
 
 def save_tiny_target(path) -> "object":

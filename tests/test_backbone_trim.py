@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from recorders import ParamRows
 from test_ttt import CFG, FAMILIES, K, S, assert_same, make_batch, run
 
 import eagle3fn.unrolled as ttt_module
@@ -16,7 +17,7 @@ import eagle3fn.unrolled.policy as policy_module
 from eagle3fn.align import supervised_mask
 from eagle3fn.loss import LossConfig
 from eagle3fn.rowmap import build_rowmap
-from eagle3fn.unrolled import computed_rows, skeleton
+from eagle3fn.unrolled import computed_rows
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -95,21 +96,13 @@ def test_scope_of_backbone_trimming():
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
     want = [c.numel() for c in computed_rows(rm)]
     assert sum(want) < B * S * K
-    sk = skeleton(CFG)
     names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj",
              "midlayer.post_attention_layernorm", "midlayer.mlp.gate_proj"]
 
     def seen_rows(trim):
-        seen = {}
-        hooks = [sk.get_submodule(n).register_forward_hook(
-            lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
-            for n in names]
-        try:
+        with ParamRows(params, names) as uses:
             run(*batch, trim=trim, rowmap=rm)
-        finally:
-            for h in hooks:
-                h.remove()
-        return seen
+        return uses.seen
 
     seen = seen_rows("backbone")
     assert seen["midlayer.self_attn.k_proj"] == [B * S] + want[1:]

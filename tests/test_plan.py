@@ -63,10 +63,9 @@ def cpu_compiled() -> dict:
     compile_ = functools.partial(torch.compile, dynamic=True)
     return {(draft_module, "rms_norm"): compile_(draft_module.rms_norm.eager),
             (draft_module, "swiglu"): compile_(draft_module.swiglu.eager),
-            (unroll_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
-            (unroll_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
-            (unroll_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
-            (unroll_module, "swiglu"): compile_(draft_module.swiglu.eager),
+            (draft_module, "apply_rope"): compile_(draft_module.apply_rope.eager),
+            (draft_module, "apply_rope_pair"): compile_(draft_module.apply_rope_pair.eager),
+            (draft_module, "norm_pair"): compile_(draft_module.norm_pair.eager),
             (merges_module, "merge_diagonal"): merge_kernel.merge_diagonal}
 
 

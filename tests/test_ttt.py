@@ -4,14 +4,14 @@ import dataclasses
 
 import pytest
 import torch
-from recorders import OpRecorder
+from recorders import OpRecorder, ParamRows
 
 from eagle3fn.align import supervised_mask
 from eagle3fn.draft import DraftConfig, Eagle3Draft, RopeConfig, init_params, rope_frequencies
 from eagle3fn.reference import reference_objective
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
-from eagle3fn.unrolled import TTTConfig, backbone, eager_attention, skeleton, ttt
+from eagle3fn.unrolled import TTTConfig, backbone, eager_attention, ttt
 from eagle3fn.vocab import build_vocab_map
 
 K, S, V, VD, H, HT = 4, 11, 61, 23, 32, 24
@@ -192,19 +192,11 @@ def test_scope_of_loss_trimming():
     f, lm, params, d2t, t2d = batch = make_batch("tail", B)
     rm = build_rowmap(supervised_mask(lm, f.attention_mask), K)
     assert 0 < sum(r.numel() for r in rm.rows) < B * S * K
-    seen = {}
-    sk = skeleton(CFG)
     names = ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
              "midlayer.post_attention_layernorm", "midlayer.mlp.gate_proj", "norm", "lm_head"]
-    hooks = [sk.get_submodule(n).register_forward_hook(
-        lambda mod, args, out, n=n: seen.setdefault(n, []).append(args[0].shape[:-1].numel()))
-        for n in names]
-    try:
-        with OpRecorder() as rec:
-            run(*batch, trim="loss", rowmap=rm, fused_head=False)
-    finally:
-        for hk in hooks:
-            hk.remove()
+    with ParamRows(params, names) as uses, OpRecorder() as rec:
+        run(*batch, trim="loss", rowmap=rm, fused_head=False)
+    seen = uses.seen
     for n in names[:5]:
         assert seen[n] == [B * S] * K, n
     assert seen["lm_head"] == [r.numel() for r in rm.rows]

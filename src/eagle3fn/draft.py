@@ -1,11 +1,15 @@
-"""The EAGLE-3 draft (SPEC section 2): one Llama-style layer, as a module skeleton.
+"""The EAGLE-3 draft (SPEC section 2): one Llama-style layer, as functions of a
+parameter dict.
 
-Legend: B batch, S sequence length, H draft hidden, Ht target hidden, I MLP width,
-h heads, g kv heads, d head dim, V target vocab, Vd draft vocab.
+Legend: B batch, S sequence length, N rows, H draft hidden, Ht target hidden, I MLP
+width, h heads, g kv heads, d head dim, V target vocab, Vd draft vocab.
 
 Parameters live in a plain ``dict`` (``init_params``) named as SpecForge/SGLang name
-them, so exports load unchanged. ``Eagle3Draft`` only fixes structure and names; the
-training code runs it statelessly with ``torch.func.functional_call``.
+them, so exports load unchanged. ``Eagle3Draft`` only fixes structure and names (the
+export writes them with ``DraftConfig``); the layer's maths is written once, here, as
+functions of that dict (``project``, ``layer_input``, ``queries`` / ``keys_values`` /
+``qkv``, ``layer_output``, ``head``), which training (``eagle3fn.unrolled``) and
+decoding (``eagle3fn.evaluation``) both call.
 """
 
 from __future__ import annotations
@@ -173,6 +177,12 @@ def norm_pair(x: torch.Tensor, g: torch.Tensor, x_weight: torch.Tensor, g_weight
     return torch.cat((_rms_norm(x.to(g.dtype), x_weight, eps), _rms_norm(g, g_weight, eps)), dim=-1)
 
 
+@fused_on_cuda
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
 def head_logits(out_NH: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                 cfg: DraftConfig, fused: bool = True) -> torch.Tensor:
     """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` (no norm when
@@ -184,17 +194,11 @@ def head_logits(out_NH: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight:
 
 
 class RMSNorm(nn.Module):
-    """``rms_norm`` as a module (its weight is a named parameter; ``fused``: compiled
-    on CUDA, ``elementwise``)."""
+    """An RMSNorm's weight ``[size]`` (ones at init); its maths is ``rms_norm``."""
 
-    def __init__(self, size: int, eps: float, fused: bool = True) -> None:
+    def __init__(self, size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.fused = fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise(rms_norm, self.fused)(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -210,72 +214,146 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (``fused``: compiled on CUDA)."""
+    """SwiGLU weights: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: DraftConfig, fused: bool = True) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.fused = fused
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise(swiglu, self.fused)(self.gate_proj(x), self.up_proj(x)))
-
-
-@fused_on_cuda
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``."""
-    return F.silu(gate) * up
-
 
 class DecoderLayer(nn.Module):
-    """The draft's single layer; ``eagle3fn.unrolled`` drives its attention step by step."""
+    """The draft's single layer's weights; its maths is ``layer_input``, ``queries`` /
+    ``keys_values`` / ``qkv``, attention (the caller's) and ``layer_output``."""
 
-    def __init__(self, cfg: DraftConfig, fused: bool = True) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = MLP(cfg, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+        self.mlp = MLP(cfg)
 
 
 class Eagle3Draft(nn.Module):
-    """Module skeleton: parameter names and shapes (SPEC section 2).
+    """Module skeleton: parameter names and shapes (SPEC section 2), no maths.
 
     ``embed_tokens [V, H]`` (frozen, copied from the target), ``fc [H, 3*Ht]``,
     optional ``fc_norm.{0,1,2} [Ht]``, ``midlayer.*``, ``norm [H]``, ``lm_head [Vd, H]``.
-    Build it on the ``meta`` device for structure only. ``compile_elementwise``: its
-    norms and SwiGLU compiled on CUDA (``fused_on_cuda``), else always eager.
+    Build it on the ``meta`` device for structure only (``init_params``, the export);
+    the layer is computed by this module's functions of the params dict (``project``
+    ... ``head``).
     """
 
-    def __init__(self, cfg: DraftConfig, *, compile_elementwise: bool = True) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        fused = compile_elementwise
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(3 * cfg.ht, cfg.hidden_size, bias=False)
         if cfg.fc_norm:
-            self.fc_norm = nn.ModuleList([RMSNorm(cfg.ht, cfg.rms_norm_eps, fused) for _ in range(3)])
-        self.midlayer = DecoderLayer(cfg, fused)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.ht) for _ in range(3)])
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
-    def project(self, aux_BS3: torch.Tensor) -> torch.Tensor:
-        """Step-0 input feature ``g = fc(a)`` ``[B, S, H]`` from aux ``[B, S, 3*Ht]``."""
-        if self.cfg.fc_norm:
-            chunks = aux_BS3.chunk(3, dim=-1)
-            aux_BS3 = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(aux_BS3)
-
     def head(self, out_NH: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` of pre-norm outputs ``[N, H]``."""
-        return self.lm_head(self.norm(out_NH) if self.cfg.norm_output else out_NH)
+        """``head`` of this module's tensors (a materialized draft, for oracles):
+        logits ``[N, Vd]`` of pre-norm outputs ``[N, H]``."""
+        return head_logits(out_NH, self.norm.weight, self.lm_head.weight, self.cfg)
 
-    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm.weight, lm_head.weight)``, for ``head_logits`` outside the module."""
-        return self.norm.weight, self.lm_head.weight
+
+# The layer, as functions of the parameter dict (``init_params`` names). Every path that
+# runs the draft calls these: the TTT unroll (``eagle3fn.unrolled``), the chain of one
+# row (``evaluation.chain``) and the cached batched draft, eager and CUDA-graph
+# (``evaluation.cached_draft``, ``evaluation.static_draft``). Attention itself (which
+# keys a query sees) is the caller's. ``fused``: the elementwise chains compiled on CUDA
+# (``elementwise``); eager and compiled give the same maths.
+#
+# Step j of one row: ``g`` is fc(a) at j = 0 (``project``), else step j-1's pre-norm
+# output; ``u = layer_input(token, g)``; q, k (RoPE'd at the step's position) and v of
+# ``u``; ``a`` = attention of q over the keys the step sees; ``out = layer_output(a, g)``;
+# logits ``head(out)``.
+
+
+def project(params: dict[str, torch.Tensor], aux_N3: torch.Tensor, cfg: DraftConfig,
+            fused: bool = True) -> torch.Tensor:
+    """Step-0 input features ``g = fc(a)`` ``[..., H]`` of target aux ``[..., 3*Ht]``
+    (``cfg.fc_norm``: each third RMS-normed first, EAGLE-3.1)."""
+    if cfg.fc_norm:
+        norm = elementwise(rms_norm, fused)
+        aux_N3 = torch.cat([norm(c, params[f"fc_norm.{i}.weight"], cfg.rms_norm_eps)
+                            for i, c in enumerate(aux_N3.chunk(3, dim=-1))], dim=-1)
+    return F.linear(aux_N3, params["fc.weight"])
+
+
+def layer_input(params: dict[str, torch.Tensor], ids_N: torch.Tensor, g_NH: torch.Tensor,
+                cfg: DraftConfig, fused: bool = True) -> torch.Tensor:
+    """The layer input ``u = [input_layernorm(embed(ids)) ; hidden_norm(g)]`` ``[..., 2H]``
+    of tokens ``ids [...]`` and input features ``g [..., H]`` (``norm_pair``)."""
+    return elementwise(norm_pair, fused)(
+        F.embedding(ids_N, params["embed_tokens.weight"]), g_NH, params["midlayer.input_layernorm.weight"],
+        params["midlayer.hidden_norm.weight"], cfg.rms_norm_eps)
+
+
+def _heads(x: torch.Tensor, n: int, cfg: DraftConfig) -> torch.Tensor:
+    """``[..., n*d]`` as ``[..., n, d]`` (a view)."""
+    return x.view(*x.shape[:-1], n, cfg.d)
+
+
+def queries(params: dict[str, torch.Tensor], u_N2H: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            cfg: DraftConfig, fused: bool = True) -> torch.Tensor:
+    """Queries ``[..., N, h, d]`` of layer inputs ``u [..., N, 2H]``, RoPE'd with cos,
+    sin ``[..., N, 1, d]`` (``rope_cos_sin`` at the rows' positions)."""
+    q = _heads(F.linear(u_N2H, params["midlayer.self_attn.q_proj.weight"]), cfg.num_heads, cfg)
+    return elementwise(apply_rope, fused)(q, cos, sin)
+
+
+def keys_values(params: dict[str, torch.Tensor], u_N2H: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cfg: DraftConfig, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (RoPE'd as ``queries``) and values ``[..., N, g, d]`` of ``u [..., N, 2H]``."""
+    k = _heads(F.linear(u_N2H, params["midlayer.self_attn.k_proj.weight"]), cfg.num_kv_heads, cfg)
+    k = elementwise(apply_rope, fused)(k, cos, sin)
+    return k, _heads(F.linear(u_N2H, params["midlayer.self_attn.v_proj.weight"]), cfg.num_kv_heads, cfg)
+
+
+def qkv(params: dict[str, torch.Tensor], u_N2H: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cfg: DraftConfig, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``queries`` and ``keys_values`` of the same rows: q ``[..., N, h, d]``, k, v
+    ``[..., N, g, d]`` (one RoPE call for q and k, ``apply_rope_pair``)."""
+    attn = "midlayer.self_attn."
+    q, k = elementwise(apply_rope_pair, fused)(
+        _heads(F.linear(u_N2H, params[attn + "q_proj.weight"]), cfg.num_heads, cfg),
+        _heads(F.linear(u_N2H, params[attn + "k_proj.weight"]), cfg.num_kv_heads, cfg), cos, sin)
+    return q, k, _heads(F.linear(u_N2H, params[attn + "v_proj.weight"]), cfg.num_kv_heads, cfg)
+
+
+def layer_output(params: dict[str, torch.Tensor], a_NhD: torch.Tensor, g_NH: torch.Tensor,
+                 cfg: DraftConfig, fused: bool = True) -> torch.Tensor:
+    """o_proj, residual and MLP of the rows' attention output ``a`` (``[N, h, d]`` or
+    any shape of ``N * h * d`` led by N) with their input features ``g [N, H]``: the
+    pre-norm output ``[N, H]`` (the next step's ``g``)."""
+    # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T).
+    r = torch.addmm(g_NH, a_NhD.reshape(a_NhD.shape[0], cfg.num_heads * cfg.d),
+                    params["midlayer.self_attn.o_proj.weight"].t())
+    x = elementwise(rms_norm, fused)(r, params["midlayer.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    mlp = "midlayer.mlp."
+    return torch.addmm(r, elementwise(swiglu, fused)(F.linear(x, params[mlp + "gate_proj.weight"]),
+                                                     F.linear(x, params[mlp + "up_proj.weight"])),
+                       params[mlp + "down_proj.weight"].t())
+
+
+def head_weights(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm.weight, lm_head.weight)``: ``head_logits``' weights (a fused head chunks
+    over them, ``loss.head_step_terms``)."""
+    return params["norm.weight"], params["lm_head.weight"]
+
+
+def head(params: dict[str, torch.Tensor], out_NH: torch.Tensor, cfg: DraftConfig,
+         fused: bool = True) -> torch.Tensor:
+    """Draft logits ``[N, Vd]`` = ``lm_head(norm(out))`` of pre-norm outputs ``[N, H]``
+    (``head_logits``)."""
+    return head_logits(out_NH, *head_weights(params), cfg, fused)
 
 
 FROZEN = ("embed_tokens.weight",)

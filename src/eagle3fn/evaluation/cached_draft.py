@@ -1,6 +1,6 @@
 """The draft on its own key/value cache, for a batch of rows: the step-0 keys and
 values of context rows (``Draft.context``) and the k-step chain of each row's last
-context row over them (``Draft.chain``), the batched form of ``chain.Chain``.
+context row over them (``Draft.chain``), the batched form of ``chain.draft_chain``.
 
 Legend: B rows, N tokens of one target forward, S cache slots, k draft tokens per
 round, H draft hidden, Ht target hidden, V target vocab, Vd draft vocab, h heads,
@@ -12,54 +12,36 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, rope_cos_sin
+from eagle3fn.draft import (DraftConfig, head, keys_values, layer_input, layer_output, project, qkv, queries,
+                            rope_cos_sin)
 
 
 class Draft:
-    """An ``Eagle3Draft`` holding the given tensors (no copy), elementwise chains eager
-    (the batch shapes change as rows finish; compiling would recompile)."""
+    """The draft's parameters (``init_params`` names, not copied) and config, run by the
+    draft's layer functions (``eagle3fn.draft``) with the elementwise chains eager (the
+    batch shapes change as rows finish; compiling would recompile)."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
-        with torch.device("meta"):
-            module = Eagle3Draft(cfg, compile_elementwise=False)
-        module.load_state_dict(params, assign=True)
-        self.m, self.cfg = module, cfg
+        self.params, self.cfg = params, cfg
         self.dtype, self.device = params["fc.weight"].dtype, params["fc.weight"].device
-
-    def _input(self, g_NH: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
-        """``u = [input_layernorm(embed(tokens)) ; hidden_norm(g)]`` ``[..., 2H]``."""
-        layer = self.m.midlayer
-        emb = self.m.embed_tokens(tokens_N).to(g_NH.dtype)
-        return torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_NH)), dim=-1)
 
     def rope(self, pos_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, N, d]`` at positions ``pos [B, N]`` in the draft's dtype."""
         return rope_cos_sin(pos_BN, self.cfg.rope, self.cfg.d, self.dtype, False)
-
-    def _heads(self, proj: nn.Linear, u_BN2H: torch.Tensor, n: int,
-               rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``proj(u)`` as ``[B, n, N, d]``, RoPE applied with ``rope`` = cos, sin
-        ``[B, N, d]`` unless None."""
-        B, N, _ = u_BN2H.shape
-        x = proj(u_BN2H).view(B, N, n, self.cfg.d).transpose(1, 2)
-        if rope is None:
-            return x
-        return apply_rope.eager(x, rope[0][:, None], rope[1][:, None])
 
     def context(self, aux_BN3: torch.Tensor, next_BN: torch.Tensor, pos_BN: torch.Tensor,
                 keep_BN: torch.Tensor):
         """Context rows of one target forward: ``g = fc(a)`` ``[B, N, H]``, the layer
         input ``u [B, N, 2H]`` with the next tokens, and the step-0 keys and values
         ``[B, g, N, d]`` (zero where ``keep`` is False, so padding never carries NaN)."""
-        attn = self.m.midlayer.self_attn
-        g = self.m.project(aux_BN3.to(self.dtype))
-        u = self._input(g, next_BN)
+        p, cfg = self.params, self.cfg
+        g = project(p, aux_BN3.to(self.dtype), cfg, False)
+        u = layer_input(p, next_BN, g, cfg, False)
+        cos, sin = self.rope(pos_BN)
+        keys, values = keys_values(p, u, cos[:, :, None], sin[:, :, None], cfg, False)  # [B, N, g, d]
         zero = ~keep_BN[:, None, :, None]
-        keys = self._heads(attn.k_proj, u, self.cfg.num_kv_heads, self.rope(pos_BN)).masked_fill(zero, 0)
-        values = self._heads(attn.v_proj, u, self.cfg.num_kv_heads, None).masked_fill(zero, 0)
-        return g, u, keys, values
+        return g, u, keys.transpose(1, 2).masked_fill(zero, 0), values.transpose(1, 2).masked_fill(zero, 0)
 
     def chain(self, g_BH: torch.Tensor, u_B2H: torch.Tensor, pos_B: torch.Tensor,
               keys_BgSd: torch.Tensor, values_BgSd: torch.Tensor, valid_BS: torch.Tensor,
@@ -68,24 +50,24 @@ class Draft:
         ``u``, position ``pos``) over the cached step-0 keys: ``(tokens [B, k] target
         ids, probs [B, k, V] fp64 or None)``. Step j's query and own key sit at
         ``pos + j`` and see every valid cached row plus the row's own keys of steps
-        ``1..j``, as ``chain.Chain`` (SPEC section 3)."""
-        layer, cfg = self.m.midlayer, self.cfg
-        attn = layer.self_attn
+        ``1..j``, as ``chain.draft_chain`` (SPEC section 3)."""
+        p, cfg = self.params, self.cfg
         own_k, own_v, tokens, probs = [], [], [], []
-        g, u = g_BH[:, None], u_B2H[:, None]
+        g, u = g_BH, u_B2H
         cos, sin = self.rope(pos_B[:, None] + torch.arange(k, device=pos_B.device))  # [B, k, d], once
         hidden = ~valid_BS[:, None, None, :]  # rolled-back and padding slots, once per round
         for j in range(k):
-            rope = cos[:, j:j + 1], sin[:, j:j + 1]  # position pos + j
+            rope = cos[:, j:j + 1], sin[:, j:j + 1]  # position pos + j, [B, 1, d]
             if j:
-                u = self._input(g, tokens[-1][:, None])
-                own_k.append(self._heads(attn.k_proj, u, cfg.num_kv_heads, rope))
-                own_v.append(self._heads(attn.v_proj, u, cfg.num_kv_heads, None))
-            q = self._heads(attn.q_proj, u, cfg.num_heads, rope)
-            a = cached_attend(q, keys_BgSd, values_BgSd, hidden, own_k, own_v)
-            r = g + attn.o_proj(a)
-            out = r + layer.mlp(layer.post_attention_layernorm(r))
-            token, q_V = choose(self.m.head(out[:, 0]))
+                u = layer_input(p, tokens[-1], g, cfg, False)
+                q, key, value = qkv(p, u, *rope, cfg, False)  # [B, h, d], [B, g, d]
+                own_k.append(key[:, :, None])
+                own_v.append(value[:, :, None])
+            else:
+                q = queries(p, u, *rope, cfg, False)
+            out = layer_output(p, cached_attend(q[:, :, None], keys_BgSd, values_BgSd, hidden, own_k, own_v),
+                               g, cfg, False)
+            token, q_V = choose(head(p, out, cfg, False))
             tokens.append(token)
             probs.append(q_V)
             g = out  # the next step's feature: this step's pre-norm output

@@ -16,7 +16,8 @@ values of every context row ``p <= t`` (at RoPE position p, built from ``fc(a_p)
 section 3's pattern for row ``p = t``: step-0 keys ``{q' <= p}`` (every context row, since
 t is the last) plus the row's own keys of steps ``1..j``, at ``pos[p] + j``; the chain
 is the TTT unroll of its last row, with the proposals in place of the teacher-forced
-tokens ``ids'[t + j]``. ``tests/test_speculative.py`` checks it against ``unrolled.backbone``.
+tokens ``ids'[t + j]``, and the same layer functions (``eagle3fn.draft``).
+``tests/test_speculative.py`` checks it against ``unrolled.backbone``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from eagle3fn.draft import DraftConfig, Eagle3Draft, apply_rope, elementwise, rope_cos_sin
+from eagle3fn.draft import (DraftConfig, head, keys_values, layer_input, layer_output, project, qkv, queries,
+                            rope_cos_sin)
 from eagle3fn.evaluation.verify import Choose, chooser
-from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT, skeleton
+from eagle3fn.unrolled import COMPILE_ELEMENTWISE_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -49,62 +50,44 @@ class Proposal:
     hidden: torch.Tensor
 
 
-class Chain(nn.Module):
-    """``forward`` = the chain unroll of the last context row; run with
-    ``functional_call`` on ``unrolled.skeleton`` (the same layer code as TTT; its
-    elementwise chains compiled as ``unrolled.COMPILE_ELEMENTWISE_DEFAULT`` says)."""
+def draft_chain(params: dict[str, torch.Tensor], cfg: DraftConfig, aux_C3: torch.Tensor, ids_T: torch.Tensor,
+                num_tokens: int, choose: Choose) -> tuple[list[int], list, list[torch.Tensor]]:
+    """Row t = C - 1 unrolled ``num_tokens`` steps with the draft's layer functions
+    (``eagle3fn.draft``, elementwise chains compiled as
+    ``unrolled.COMPILE_ELEMENTWISE_DEFAULT`` says): proposed target ids, their draft
+    distributions ``[V]`` (or None), pre-norm outputs ``[H]``."""
+    fused = COMPILE_ELEMENTWISE_DEFAULT
+    C = aux_C3.shape[0]
+    positions = torch.arange(C + num_tokens, device=aux_C3.device)
 
-    def __init__(self, draft: Eagle3Draft) -> None:
-        super().__init__()
-        self.draft = draft
+    def rope(position):  # cos, sin [N, 1, d] at positions [N]
+        cos, sin = rope_cos_sin(position, cfg.rope, cfg.d, aux_C3.dtype, fused)
+        return cos[:, None], sin[:, None]
 
-    def _input(self, g_NH: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
-        """``u = [input_layernorm(embed(tokens)) ; hidden_norm(g)]`` ``[N, 2H]``."""
-        layer = self.draft.midlayer
-        emb = self.draft.embed_tokens(tokens_N).to(g_NH.dtype)
-        return torch.cat((layer.input_layernorm(emb), layer.hidden_norm(g_NH)), dim=-1)
-
-    def _heads(self, proj: nn.Linear, u_N2H: torch.Tensor, n: int,
-               position: torch.Tensor | None) -> torch.Tensor:
-        """``proj(u)`` as ``[n, N, d]``, RoPE applied at ``position [N]`` unless None."""
-        cfg = self.draft.cfg
-        x = proj(u_N2H).view(u_N2H.shape[0], n, cfg.d).transpose(0, 1)
-        if position is None:
-            return x
-        cos, sin = rope_cos_sin(position, cfg.rope, cfg.d, x.dtype, COMPILE_ELEMENTWISE_DEFAULT)
-        return elementwise(apply_rope, COMPILE_ELEMENTWISE_DEFAULT)(x, cos[None], sin[None])
-
-    def forward(self, aux_C3: torch.Tensor, ids_T: torch.Tensor, num_tokens: int,
-                choose: Choose) -> tuple[list[int], list, list[torch.Tensor]]:
-        """Row t = C - 1 unrolled ``num_tokens`` steps: proposed target ids, their
-        draft distributions ``[V]`` (or None), pre-norm outputs ``[H]``."""
-        draft, cfg = self.draft, self.draft.cfg
-        attn = draft.midlayer.self_attn
-        C = aux_C3.shape[0]
-        positions = torch.arange(C + num_tokens, device=aux_C3.device)
-        # Step 0 keys/values of every context row p: fc(a_p) and ids'[p] = x_{p+1}.
-        g_CH = draft.project(aux_C3)
-        u_C2H = self._input(g_CH, ids_T[1:])
-        keys = [self._heads(attn.k_proj, u_C2H, cfg.num_kv_heads, positions[:C])]
-        values = [self._heads(attn.v_proj, u_C2H, cfg.num_kv_heads, None)]
-        g_1H, u_12H = g_CH[-1:], u_C2H[-1:]  # row t = C - 1; its step-0 key is keys[0][:, -1]
-        tokens, probs, hidden = [], [], []
-        for j in range(num_tokens):
-            pos = positions[C - 1 + j:C + j]  # pos[t] + j
-            if j:
-                u_12H = self._input(g_1H, torch.tensor(tokens[-1:], device=aux_C3.device))
-                keys.append(self._heads(attn.k_proj, u_12H, cfg.num_kv_heads, pos))
-                values.append(self._heads(attn.v_proj, u_12H, cfg.num_kv_heads, None))
-            q = self._heads(attn.q_proj, u_12H, cfg.num_heads, pos)
-            a = attend(q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
-            r = g_1H + attn.o_proj(a)
-            out = r + draft.midlayer.mlp(draft.midlayer.post_attention_layernorm(r))
-            token, q_V = choose(draft.head(out)[0])
-            tokens.append(token)
-            probs.append(q_V)
-            hidden.append(out[0])
-            g_1H = out  # the next step's feature: this step's pre-norm output
-        return tokens, probs, hidden
+    # Step 0 keys/values of every context row p: fc(a_p) and ids'[p] = x_{p+1}.
+    g_CH = project(params, aux_C3, cfg, fused)
+    u_C2H = layer_input(params, ids_T[1:], g_CH, cfg, fused)
+    k, v = keys_values(params, u_C2H, *rope(positions[:C]), cfg, fused)
+    keys, values = [k.transpose(0, 1)], [v.transpose(0, 1)]  # [g, M, d] each
+    g_1H, u_12H = g_CH[-1:], u_C2H[-1:]  # row t = C - 1; its step-0 key is keys[0][:, -1]
+    tokens, probs, hidden = [], [], []
+    for j in range(num_tokens):
+        cos, sin = rope(positions[C - 1 + j:C + j])  # pos[t] + j
+        if j:
+            u_12H = layer_input(params, torch.tensor(tokens[-1:], device=aux_C3.device), g_1H, cfg, fused)
+            q, k, v = qkv(params, u_12H, cos, sin, cfg, fused)
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        else:
+            q = queries(params, u_12H, cos, sin, cfg, fused)
+        a = attend(q.transpose(0, 1), torch.cat(keys, dim=1), torch.cat(values, dim=1))
+        out = layer_output(params, a, g_1H, cfg, fused)
+        token, q_V = choose(head(params, out, cfg, fused)[0])
+        tokens.append(token)
+        probs.append(q_V)
+        hidden.append(out[0])
+        g_1H = out  # the next step's feature: this step's pre-norm output
+    return tokens, probs, hidden
 
 
 def attend(q_h1d: torch.Tensor, k_gMd: torch.Tensor, v_gMd: torch.Tensor) -> torch.Tensor:
@@ -150,11 +133,9 @@ def propose(draft_params: dict[str, torch.Tensor], draft_cfg: DraftConfig, d2t: 
     weight = draft_params["fc.weight"]
     choose = chooser(d2t, draft_cfg.vocab_size, temperature,
                      generator if generator is not None else torch.Generator())
-    named = {f"draft.{k}": v for k, v in draft_params.items()}
-    tokens, probs, hidden = torch.func.functional_call(
-        Chain(skeleton(draft_cfg)), named,
-        (aux_C3.to(device=weight.device, dtype=weight.dtype), ids_T.to(weight.device),
-         num_tokens, choose))
+    tokens, probs, hidden = draft_chain(draft_params, draft_cfg,
+                                        aux_C3.to(device=weight.device, dtype=weight.dtype),
+                                        ids_T.to(weight.device), num_tokens, choose)
     return Proposal(
         tokens=torch.tensor(tokens, dtype=torch.long, device=ids_T.device),
         probs=None if temperature == 0 else torch.stack(probs),

@@ -2,8 +2,8 @@
 for compute, gradients reduce-scattered.
 
 Why not FSDP2 ``fully_shard``: the TTT is a pure function of a parameter dict
-(``ttt(params, ...)`` through ``functional_call``), while ``fully_shard`` hooks a
-module's ``forward``. Sharding the dict itself keeps the functional core untouched:
+(``ttt(params, ...)``, the draft's layer functions of ``eagle3fn.draft``), while
+``fully_shard`` hooks a module's ``forward``. Sharding the dict itself keeps the functional core untouched:
 ``gather`` is one all-gather per parameter, ``reduce_grads`` after backward the
 reduce-scatter FSDP would issue, AdamW runs on the local shards (1/world of the
 optimizer state per rank), and a checkpoint is the full tensors, valid for any layout.

@@ -27,7 +27,7 @@ from eagle3fn.unrolled.layout import rowmap_to_device
 from eagle3fn.unrolled.merges import merge_blocks, merge_diagonal, merge_diagonal_as, use_merge_kernel
 from eagle3fn.unrolled.policy import auto_score, auto_trim, choose_trim, computed_rows
 from eagle3fn.unrolled.unroll import (HEAD_CHUNK_LOGITS, backbone, fused_head_chunk, gated_counts,
-                                      skeleton, trimmed_backbone, ttt)
+                                      trimmed_backbone, ttt)
 
 __all__ = [
     "AttentionImpl",
@@ -60,7 +60,6 @@ __all__ = [
     "packed_keys",
     "packed_layout",
     "packed_query_len",
-    "skeleton",
     "trimmed_backbone",
     "ttt",
     "use_merge_kernel",

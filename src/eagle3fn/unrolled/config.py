@@ -24,7 +24,7 @@ AttentionImpl = Literal["auto", "eager", "flex"]
 
 COMPILE_ELEMENTWISE_DEFAULT = True
 """The default of ``TTTConfig.compile_elementwise``, also for code that runs the draft
-without a ``TTTConfig`` (``skeleton``, decoding). Code holding a ``TTTConfig`` passes its
+without a ``TTTConfig`` (decoding). Code holding a ``TTTConfig`` passes its
 field down; nothing here reads the environment (the CLI maps ``EAGLE3FN_COMPILE=0`` to
 the field, docs/reference/config.md)."""
 

@@ -32,14 +32,13 @@ from typing import Sequence
 import torch
 
 from eagle3fn.align import shift_left
-from eagle3fn.draft import (DraftConfig, Eagle3Draft, apply_rope, apply_rope_pair, elementwise,
-                            head_logits, norm_pair, rope_cos_sin, swiglu)
+from eagle3fn.draft import (Eagle3Draft, head, head_logits, head_weights, keys_values, layer_input,
+                            layer_output, project, qkv, queries, rope_cos_sin)
 from eagle3fn.loss import head_step_terms, objective, step_terms
 from eagle3fn.shapes import Features, Objective, RowMap, TeacherTable
 from eagle3fn.teacher import teacher_table_from_hidden, teacher_table_from_logits
 from eagle3fn.unrolled.attention import is_flex_path, row_attention
-from eagle3fn.unrolled.config import (COMPILE_ELEMENTWISE_DEFAULT, AttentionImpl, Collectives,
-                                      TTTConfig)
+from eagle3fn.unrolled.config import AttentionImpl, Collectives, TTTConfig
 from eagle3fn.unrolled.layout import StepPlan, plan_steps, rows_inside
 from eagle3fn.unrolled.policy import choose_trim
 
@@ -55,53 +54,18 @@ def fused_head_chunk(head_chunk_rows: int, draft_vocab: int) -> int:
     return max(1, min(head_chunk_rows, HEAD_CHUNK_LOGITS // draft_vocab))
 
 
-def skeleton(cfg: DraftConfig, compile_elementwise: bool = COMPILE_ELEMENTWISE_DEFAULT) -> Eagle3Draft:
-    """A parameter-free ``Eagle3Draft`` (on ``meta``) for ``functional_call``, its norms
-    and SwiGLU compiled on CUDA or not (``TTTConfig.compile_elementwise``); one per
-    ``(cfg, compile_elementwise)``, however the flag is passed."""
-    return _skeleton(cfg, compile_elementwise)
-
-
-@functools.lru_cache(maxsize=8)
-def _skeleton(cfg: DraftConfig, compile_elementwise: bool) -> Eagle3Draft:
-    with torch.device("meta"):
-        return Eagle3Draft(cfg, compile_elementwise=compile_elementwise)
-
-
-def _layer_input(draft: Eagle3Draft, ids_N: torch.Tensor, g_NH: torch.Tensor, fused: bool) -> torch.Tensor:
-    """The layer input ``[norm(embed(ids)) ; norm(g)]`` ``[N, 2H]``."""
-    layer = draft.midlayer
-    return elementwise(norm_pair, fused)(draft.embed_tokens(ids_N), g_NH, layer.input_layernorm.weight,
-                                         layer.hidden_norm.weight, draft.cfg.rms_norm_eps)
-
-
-def _layer_rest(draft: Eagle3Draft, a_NhD: torch.Tensor, g_NH: torch.Tensor, fused: bool) -> torch.Tensor:
-    """o_proj, residual and MLP of the rows' attention output ``a`` ``[N, h, d]`` with
-    the rows' input features ``g`` ``[N, H]``: the pre-norm output ``[N, H]``."""
-    layer, cfg = draft.midlayer, draft.cfg
-    # The residual adds ride in the GEMMs' epilogues (addmm: r + a @ W^T). o_proj
-    # and down_proj are read as weights, so forward hooks on those modules do not
-    # fire (neither has a bias).
-    r = torch.addmm(g_NH, a_NhD.reshape(a_NhD.shape[0], cfg.num_heads * cfg.d),
-                    layer.self_attn.o_proj.weight.t())
-    x = layer.post_attention_layernorm(r)
-    mlp = layer.mlp
-    return torch.addmm(r, elementwise(swiglu, fused)(mlp.gate_proj(x), mlp.up_proj(x)),
-                       mlp.down_proj.weight.t())
-
-
-def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
+def _unroll(params: dict[str, torch.Tensor], features: Features, num_rows: int,
             rows: Sequence[torch.Tensor] | None, config: TTTConfig, attend,
             plan: StepPlan | None = None) -> list[torch.Tensor]:
-    """The ``config.ttt_length`` unrolled steps on the rows ``rows[j]`` of each step
-    (``None``: every row).
+    """The ``config.ttt_length`` unrolled steps of the draft layer (``eagle3fn.draft``'s
+    functions of ``params``) on the rows ``rows[j]`` of each step (``None``: every row).
 
     Step 0 computes keys and values for every own row (everyone's context) and the
     query, attention, o_proj and MLP for ``rows[0]``; step ``j >= 1`` runs the whole
     layer on ``rows[j]`` only, whose queries attend causally to the full step-0 keys
     and to their own keys of steps ``1..j``. Each ``rows[j]`` must be inside
     ``rows[j-1]`` (``computed_rows``). Returns k tensors ``[n_j, H]`` (``[B*C, H]``)."""
-    cfg, attn, fused = draft.cfg, draft.midlayer.self_attn, config.compile_elementwise
+    cfg, fused = config.draft, config.compile_elementwise
     C = num_rows
     B = features.input_ids.shape[0]
     ids_next = shift_left(features.input_ids)  # ids'[t] = x_{t+1}
@@ -113,8 +77,7 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
     # compile each function twice (longer warm-up, same values).
     pos_flat = positions[:, :C].flatten().clone()
     valid = features.attention_mask[:, :C].bool()
-    g_all = draft.project(features.aux[:, :C].flatten(0, 1))  # [B*C, H]
-    heads = lambda x, n: x.view(x.shape[0], n, cfg.d)  # noqa: E731
+    g_all = project(params, features.aux[:, :C].flatten(0, 1), cfg, fused)  # [B*C, H]
 
     def rope_at(positions):  # cos, sin [n, 1, d], shared by the queries and keys of a step
         return rope_cos_sin(positions[:, None], cfg.rope, cfg.d, g_all.dtype, fused)
@@ -127,31 +90,27 @@ def _unroll(draft: Eagle3Draft, features: Features, num_rows: int,
             return None
         return plan.within[j] if plan is not None and plan.within else rows_inside(outer, inner)
 
-    u = _layer_input(draft, ids_next[:, :C].flatten(), g_all, fused)
+    u = layer_input(params, ids_next[:, :C].flatten(), g_all, cfg, fused)
     cos, sin = rope_at(pos_flat)
-    rope = elementwise(apply_rope, fused)
-    k0 = rope(heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
-    attend_rows = row_attention(config, attend, features, valid, k0,
-                                 heads(attn.v_proj(u), cfg.num_kv_heads),
+    k0, v0 = keys_values(params, u, cos, sin, cfg, fused)
+    attend_rows = row_attention(config, attend, features, valid, k0, v0,
                                  None if plan is None else plan.layouts)
     prev = None if rows is None else rows[0]
-    q = rope(heads(attn.q_proj(take(u, prev)), cfg.num_heads), take(cos, prev), take(sin, prev))
+    q = queries(params, take(u, prev), take(cos, prev), take(sin, prev), cfg, fused)
     g = take(g_all, prev)
-    out = _layer_rest(draft, attend_rows(q, prev, None, 0), g, fused)
+    out = layer_output(params, attend_rows(q, prev, None, 0), g, cfg, fused)
     outs, diagonal = [out], None  # the rows' own keys/values of steps 1..j, [j, N, g, d]
     for j in range(1, config.ttt_length):
         rj = None if rows is None else rows[j]
         at = within(j, prev, rj)
         g = take(out, at)
-        u = _layer_input(draft, take(shift_left(ids_next, j)[:, :C].reshape(-1), rj), g, fused)
+        u = layer_input(params, take(shift_left(ids_next, j)[:, :C].reshape(-1), rj), g, cfg, fused)
         cos, sin = rope_at(take(pos_flat, rj) + j)
-        q, k = elementwise(apply_rope_pair, fused)(heads(attn.q_proj(u), cfg.num_heads),
-                                                    heads(attn.k_proj(u), cfg.num_kv_heads), cos, sin)
-        v = heads(attn.v_proj(u), cfg.num_kv_heads)
+        q, k, v = qkv(params, u, cos, sin, cfg, fused)
         diagonal = (k[None], v[None]) if diagonal is None else tuple(
             torch.cat((x if at is None else x.index_select(1, at), y[None]))
             for x, y in zip(diagonal, (k, v)))
-        out = _layer_rest(draft, attend_rows(q, rj, diagonal, j), g, fused)
+        out = layer_output(params, attend_rows(q, rj, diagonal, j), g, cfg, fused)
         outs.append(out)
         prev = rj
     return outs
@@ -162,13 +121,14 @@ def backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_length: 
              plan: StepPlan | None = None) -> list[torch.Tensor]:
     """The unrolled layer on every own row: k pre-norm outputs ``[B, C, H]``.
 
-    Runs inside ``functional_call`` (``draft`` holds the parameters). ``attend``
-    (``Collectives.attend``) replaces the one-rank attention under sequence parallelism.
-    The other ``TTTConfig`` settings (kernels, query buckets) are their defaults.
+    ``draft`` holds the parameters (a materialized ``Eagle3Draft``: its named
+    parameters are the params dict). ``attend`` (``Collectives.attend``) replaces the
+    one-rank attention under sequence parallelism. The other ``TTTConfig`` settings
+    (kernels, query buckets) are their defaults.
     """
     B = features.input_ids.shape[0]
     config = TTTConfig(draft=draft.cfg, ttt_length=ttt_length, attention=attention)
-    outs = _unroll(draft, features, num_rows, None, config, attend, plan)
+    outs = _unroll(dict(draft.named_parameters()), features, num_rows, None, config, attend, plan)
     return [out.view(B, num_rows, -1) for out in outs]
 
 
@@ -186,58 +146,48 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
         k tensors ``[n_j, H]``: the pre-norm outputs of ``rows[j]``, in its order.
     """
     config = TTTConfig(draft=draft.cfg, ttt_length=ttt_length, attention=attention)
-    return _unroll(draft, features, num_rows, rows, config, attend, plan)
+    return _unroll(dict(draft.named_parameters()), features, num_rows, rows, config, attend, plan)
 
 
-class _Unrolled(torch.nn.Module):
-    """``forward`` = backbone + head + per-step terms, so one ``functional_call`` runs
-    the whole differentiable part."""
-
-    def __init__(self, draft: Eagle3Draft) -> None:
-        super().__init__()
-        self.draft = draft
-
-    def forward(self, features: Features, rowmap: RowMap, config: TTTConfig,
+def _step_terms(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
-                collectives: Collectives | None = None, plan: StepPlan | None = None):
-        attend = collectives.attend if collectives is not None else None
-        if plan is None:
-            plan = plan_steps(rowmap, config.trim, features,
-                               is_flex_path(config.attention, attend, features), config.query_buckets)
-        # trim="backbone": the rows computed_rows gives (the plan holds them), else all
-        outs = _unroll(self.draft, features, rowmap.num_rows, plan.computed, config, attend, plan)
-        at = plan.at  # rows_j as positions in step j's output
-        impl = config.loss_impl
-        if impl == "auto":
-            impl = "triton" if features.aux.is_cuda else "torch"
-        kwargs = dict(impl=impl, accept_grad=config.loss.objective != "kl")
-        terms = []
-        for j, out in enumerate(outs):
-            flat = out.flatten(0, -2)  # [B*C, H], or [n_j, H] computed rows
-            if config.trim != "none" and config.fused_head:
-                head = functools.partial(head_logits, cfg=self.draft.cfg,
-                                         fused=config.compile_elementwise)
-                terms.append(head_step_terms(
-                    flat.index_select(0, at[j]), head, self.draft.head_weights(), table,
-                    rowmap.table_rows[j], d2t, **kwargs,
-                    chunk_rows=fused_head_chunk(config.head_chunk_rows, config.draft.draft_vocab_size)))
-                continue
-            if config.trim != "none":
-                logits = self.draft.head(flat.index_select(0, at[j]))  # [n_j, Vd]
-                table_rows, row_mask = rowmap.table_rows[j], None
-            else:
-                logits = self.draft.head(flat)  # [B*C, Vd]
-                table_rows, row_mask = _dense_step(rowmap, j, supervised_flat, features.positions)
-            terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask, **kwargs))
-        if collectives is not None:
-            # One zero-weighted dummy row per step keeps every step's output in the graph
-            # on every rank (a rank whose step is dead still joins that step's backward
-            # collectives, so no rank waits forever).
-            dummy = [0 * out.flatten()[:1].sum() for out in outs]
-            terms = [dataclasses.replace(t, loss_sum=t.loss_sum + z, accept_sum=t.accept_sum + z,
-                                         log_accept_sum=t.log_accept_sum + z)
-                     for t, z in zip(terms, dummy)]
-        return terms
+                collectives: Collectives | None, plan: StepPlan) -> list:
+    """The whole differentiable part: the unrolled steps, the head and each step's
+    ``StepTerms`` (k of them)."""
+    attend = collectives.attend if collectives is not None else None
+    # trim="backbone": the rows computed_rows gives (the plan holds them), else all
+    outs = _unroll(params, features, rowmap.num_rows, plan.computed, config, attend, plan)
+    at = plan.at  # rows_j as positions in step j's output
+    impl = config.loss_impl
+    if impl == "auto":
+        impl = "triton" if features.aux.is_cuda else "torch"
+    kwargs = dict(impl=impl, accept_grad=config.loss.objective != "kl")
+    fused = config.compile_elementwise
+    terms = []
+    for j, out in enumerate(outs):
+        flat = out.flatten(0, -2)  # [B*C, H], or [n_j, H] computed rows
+        if config.trim != "none" and config.fused_head:
+            terms.append(head_step_terms(
+                flat.index_select(0, at[j]), functools.partial(head_logits, cfg=config.draft, fused=fused),
+                head_weights(params), table, rowmap.table_rows[j], d2t, **kwargs,
+                chunk_rows=fused_head_chunk(config.head_chunk_rows, config.draft.draft_vocab_size)))
+            continue
+        if config.trim != "none":
+            logits = head(params, flat.index_select(0, at[j]), config.draft, fused)  # [n_j, Vd]
+            table_rows, row_mask = rowmap.table_rows[j], None
+        else:
+            logits = head(params, flat, config.draft, fused)  # [B*C, Vd]
+            table_rows, row_mask = _dense_step(rowmap, j, supervised_flat, features.positions)
+        terms.append(step_terms(logits, table, table_rows, d2t, row_mask_N=row_mask, **kwargs))
+    if collectives is not None:
+        # One zero-weighted dummy row per step keeps every step's output in the graph
+        # on every rank (a rank whose step is dead still joins that step's backward
+        # collectives, so no rank waits forever).
+        dummy = [0 * out.flatten()[:1].sum() for out in outs]
+        terms = [dataclasses.replace(t, loss_sum=t.loss_sum + z, accept_sum=t.accept_sum + z,
+                                     log_accept_sum=t.log_accept_sum + z)
+                 for t, z in zip(terms, dummy)]
+    return terms
 
 
 def _dense_step(rowmap: RowMap, j: int, supervised_flat: torch.Tensor,
@@ -316,11 +266,7 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         # A teacher at every position; the last one of each buffer has no z[s+1] and is
         # never supervised, so any row of z may stand in for it.
         table = _teacher(features, torch.where(s % T == T - 1, s, s + 1), config, t2d)
-    module = _Unrolled(skeleton(config.draft, config.compile_elementwise))
-    named = {f"draft.{k}": v for k, v in params.items()}
-    terms = torch.func.functional_call(
-        module, named, (features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
-    )
+    terms = _step_terms(params, features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
     if collectives is None:
         return objective(terms, rowmap.denominator, config.loss)
     if config.loss.normalization == "local_mean" and not _is_one(collectives.loss_scale):
