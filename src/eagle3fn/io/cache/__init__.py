@@ -10,9 +10,10 @@ offsets index), aux features at every real token, the target's final hidden stat
 at the positions a teacher reads (``p = t + 1``, ``t`` supervised, SPEC 1), in bf16 /
 fp32 or, behind ``aux_dtype="float8_e4m3"``, aux in fp8 e4m3 with a per-position,
 per-layer scale. Safetensors shards, a manifest with a content fingerprint and a
-sha256 per file, written atomically and resumable (``store``).
+sha256 per file (``manifest``), written atomically and resumable (``store``).
 
-    store.py    manifest, fingerprints, atomic shards, write_cache, resume
+    manifest.py the manifest: format, digests, every field checked; the checks before training
+    store.py    atomic shards, write_cache, resume; non-finite features refused
     layout.py   ragged rows <-> padded batch, teacher rows, fp8, sizes (pure)
     reader.py   FeatureCache, verify_cache, cache_info
     prepare.py  prepare, estimate
@@ -20,8 +21,9 @@ sha256 per file, written atomically and resumable (``store``).
 
 from eagle3fn.io.cache.prepare import estimate, measured_bytes, prepare
 from eagle3fn.io.cache.reader import CachedBatch, CacheReport, FeatureCache, FileStatus, cache_info, verify_cache
-from eagle3fn.io.cache.store import (AUX_DTYPES, DTYPES, FORMAT_VERSION, HEAD, MANIFEST, cache_fingerprint,
-                                     check_cache_for_training, check_resumable, read_manifest, write_cache)
+from eagle3fn.io.cache.manifest import (AUX_DTYPES, DTYPES, FORMAT_VERSION, HEAD, MANIFEST, cache_fingerprint,
+                                        check_cache_for_training, read_manifest)
+from eagle3fn.io.cache.store import check_resumable, write_cache
 
 __all__ = ["AUX_DTYPES", "DTYPES", "FORMAT_VERSION", "HEAD", "MANIFEST", "CacheReport", "CachedBatch",
            "FeatureCache", "FileStatus", "cache_fingerprint", "cache_info", "check_cache_for_training",

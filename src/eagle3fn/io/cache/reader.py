@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from eagle3fn.errors import RunError, UsageError
 from eagle3fn.io.cache import layout
-from eagle3fn.io.cache.store import (DTYPES, EDITED, HEAD, MANIFEST, SHARD_KEYS, file_problem, load_manifest,
-                                     nonfinite_row, read_manifest, repair_hint, rebuild_command, seal_fix,
-                                     unlisted_shards)
+from eagle3fn.io.cache.manifest import (DTYPES, EDITED, HEAD, MANIFEST, SHARD_KEYS, file_problem, load_manifest,
+                                        read_manifest, rebuild_command, repair_hint, seal_fix, unlisted_shards)
+from eagle3fn.io.cache.store import nonfinite_row
 from eagle3fn.shapes import Features
 
 _ST_DTYPES = {name: layout.SAFETENSORS_DTYPES[dtype] for name, dtype in DTYPES.items()}
