@@ -46,6 +46,48 @@ def test_graceful_stop_records_the_signal_and_restores_the_handlers():
     assert Stopped(signal.SIGINT, "step 1").exit_code == 130
 
 
+def _wait(condition):
+    deadline = time.monotonic() + 5
+    while not condition() and time.monotonic() < deadline:  # handlers run between bytecodes
+        time.sleep(0.001)
+
+
+def test_under_torchrun_the_launchers_forwarded_copy_is_ignored(monkeypatch):
+    """Under torchrun (``TORCHELASTIC_RUN_ID``) a scheduler's SIGTERM reaches a worker
+    directly and again through the launcher: the repeat of the same signal within
+    ``LAUNCHER_REPEAT_S`` is ignored (the stop stays graceful), a later repeat or the
+    other signal stops at once. Control: outside a launcher the first signal already
+    puts the default action back (a repeat would kill the process)."""
+    import eagle3fn.io.stop as stop_module
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with graceful_stop() as stop:
+        assert stop.repeat_window_s == stop_module.LAUNCHER_REPEAT_S > 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(lambda: stop.requested)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy: this process lives on
+        time.sleep(0.05)
+        assert stop.requested and stop.signal == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == stop._handle  # still ours: not the default action
+        with monkeypatch.context() as patch:  # os.kill recorded, not sent (the module is os itself)
+            killed = []
+            patch.setattr(stop_module.os, "kill", lambda pid, signum: killed.append(signum))
+            stop._handle(signal.SIGINT, None)  # the other signal: at once
+            assert killed == [signal.SIGINT] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            signal.signal(signal.SIGTERM, stop._handle)
+            signal.signal(signal.SIGINT, stop._handle)
+            stop.first_at -= stop.repeat_window_s + 1  # the first signal, long ago
+            stop._handle(signal.SIGTERM, None)  # the same signal, later: a real second request
+            assert killed == [signal.SIGINT, signal.SIGTERM]
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with graceful_stop() as stop:
+        assert stop.repeat_window_s == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(lambda: stop.requested)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a repeat would stop at once
+
+
 def _setup(tmp_path, source, monkeypatch, n=12):
     save_tiny_target(tmp_path / "model")
     write_tiny_chat(tmp_path / "chat.jsonl", n)

@@ -11,6 +11,13 @@ system's default action for both signals, so a second one stops the process at o
 (even inside a long native call), as an unhandled signal would. Leaving the block
 restores the handlers that were there before.
 
+Under a launcher (torchrun: ``TORCHELASTIC_RUN_ID`` set) one stop often arrives twice:
+a scheduler signals every process of the job, and torchrun forwards its own copy to its
+workers a moment later. There a repeat of the *same* signal within
+``LAUNCHER_REPEAT_S`` seconds of the first is that copy and is ignored (said on stderr);
+a later repeat, or the other signal, stops at once as above (from Python, at the next
+bytecode; torchrun's own kill after its grace period covers a long native call).
+
 Usage (``eagle3fn synthesize`` and any other resumable command)::
 
     from eagle3fn.io.stop import graceful_stop
@@ -31,10 +38,19 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCHER_REPEAT_S = 2.0
+"""Under a launcher, a repeat of the first signal this soon after it is the launcher's
+forwarded copy (module docstring), not a second request."""
+
+
+def under_launcher() -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 class Stopped(Exception):
@@ -59,6 +75,10 @@ class StopRequest:
     requested: bool = False
     signal: int | None = None
     installed: bool = False
+    repeat_window_s: float = 0.0
+    """A repeat of the first signal within this many seconds is ignored (0: none is;
+    ``graceful_stop`` sets ``LAUNCHER_REPEAT_S`` under a launcher)."""
+    first_at: float | None = None
 
     @property
     def name(self) -> str:
@@ -71,21 +91,32 @@ class StopRequest:
         return Stopped(self.signal, where)
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.requested, self.signal = True, signum
-        for s in SIGNALS:  # a second signal: the default action, at once
-            signal.signal(s, signal.SIG_DFL)
+        if self.requested:  # only reached under a launcher (repeat_window_s > 0)
+            if signum == self.signal and time.monotonic() - self.first_at < self.repeat_window_s:
+                os.write(2, f"{signal.Signals(signum).name} again within {self.repeat_window_s:g} s: the "
+                            "launcher's forwarded copy, ignored\n".encode())
+                return
+            for s in SIGNALS:  # a real second request: the default action, now
+                signal.signal(s, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.requested, self.signal, self.first_at = True, signum, time.monotonic()
+        if not self.repeat_window_s:
+            for s in SIGNALS:  # a second signal: the default action, at once
+                signal.signal(s, signal.SIG_DFL)
         # os.write, not print: a handler that prints can interrupt a print of the main
         # thread and fail on the stream's lock.
         name = signal.Signals(signum).name
+        again = f"again after {self.repeat_window_s:g} s" if self.repeat_window_s else "again"
         os.write(2, f"{name} received: finishing the {self.unit} in flight and saving, then stopping; "
-                    f"send it again to stop at once (losing the {self.unit} in flight)\n".encode())
+                    f"send it {again} to stop at once (losing the {self.unit} in flight)\n".encode())
 
 
 @contextlib.contextmanager
 def graceful_stop(unit: str = "step") -> Iterator[StopRequest]:
     """Handle SIGTERM and SIGINT as a stop request for the block (module docstring);
     ``unit`` names what finishes before the stop in the notice printed at the signal."""
-    request = StopRequest(unit=unit)
+    request = StopRequest(unit=unit, repeat_window_s=LAUNCHER_REPEAT_S if under_launcher() else 0.0)
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
