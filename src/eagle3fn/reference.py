@@ -104,6 +104,17 @@ def reference_objective(
 
         loss_mask, pmask = _shift(loss_mask, 1), _shift(pmask, 1)
 
+    return _objective_of_steps(losses, accs, accepts, alphas, config)
+
+
+def _objective_of_steps(losses: list[torch.Tensor], accs: list[torch.Tensor], accepts: list[torch.Tensor],
+                        alphas: list[torch.Tensor], config: LossConfig) -> Objective:
+    """The ``Objective`` of k steps' scalar terms (one list entry per step j): the KL
+    losses, accuracies, expected acceptances and ``-log`` acceptances. Each step's loss
+    is ``config.objective``'s (``kl``, ``alpha``, or the acceptance-weighted mix of KL
+    and ``1 - accept``), the objective their sum weighted by ``step_weight_decay ** j``,
+    and ``tau = 1 + sum_j prod_{i <= j} acc_i``; every field ``[k]`` but the scalars."""
+    k = len(losses)
     kl = torch.stack(losses)
     accept = torch.stack(accepts)
     if config.objective == "kl":

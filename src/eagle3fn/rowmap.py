@@ -34,6 +34,33 @@ def _step_windows(mask_BT: torch.Tensor, ttt_length: int, num_rows: int,
     return win.transpose(0, 1)
 
 
+def _checked_num_rows(mask: torch.Tensor, ttt_length: int, num_rows: int | None,
+                      positions: torch.Tensor | None) -> int:
+    """C, the own rows per sample (``num_rows``, default T), after checking
+    ``build_rowmap``'s arguments: ``mask`` a bool ``[B, T]`` tensor, ``ttt_length`` an int
+    >= 1, C an int in ``[0, T]``, ``positions`` None or of ``mask``'s shape (ValueError
+    naming the argument otherwise)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        dtype = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"mask must be a bool tensor [B, T], got {dtype}; pass mask.bool() "
+            "(e.g. from align.supervised_mask)"
+        )
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    if not isinstance(ttt_length, int) or ttt_length < 1:
+        raise ValueError(f"ttt_length must be an int >= 1, got {ttt_length!r}")
+    T = mask.shape[1]
+    C = T if num_rows is None else num_rows
+    if not isinstance(C, int) or C < 0 or C > T:
+        raise ValueError(
+            f"num_rows must be an int in [0, T={T}] (own rows cannot exceed the buffer "
+            f"length), got {num_rows!r}"
+        )
+    if positions is not None and positions.shape != mask.shape:
+        raise ValueError(f"positions shape {tuple(positions.shape)} != mask shape {tuple(mask.shape)}")
+    return C
+
 def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = None, *,
                  positions: torch.Tensor | None = None) -> RowMap:
     """Build the row map of a batch from its supervised-position mask.
@@ -54,25 +81,8 @@ def build_rowmap(mask: torch.Tensor, ttt_length: int, num_rows: int | None = Non
         ``table_rows[j]`` aligned with ``rows[j]``, ``backbone_rows``, ``step0_rows``,
         ``denominator = B*C`` and ``dead_steps``. All tensors live on ``mask.device``.
     """
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        dtype = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(
-            f"mask must be a bool tensor [B, T], got {dtype}; pass mask.bool() "
-            "(e.g. from align.supervised_mask)"
-        )
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
-    if not isinstance(ttt_length, int) or ttt_length < 1:
-        raise ValueError(f"ttt_length must be an int >= 1, got {ttt_length!r}")
+    C = _checked_num_rows(mask, ttt_length, num_rows, positions)
     B, T = mask.shape
-    C = T if num_rows is None else num_rows
-    if not isinstance(C, int) or C < 0 or C > T:
-        raise ValueError(
-            f"num_rows must be an int in [0, T={T}] (own rows cannot exceed the buffer "
-            f"length), got {num_rows!r}"
-        )
-    if positions is not None and positions.shape != mask.shape:
-        raise ValueError(f"positions shape {tuple(positions.shape)} != mask shape {tuple(mask.shape)}")
     k = ttt_length
     device = mask.device
 
