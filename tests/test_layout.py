@@ -6,7 +6,10 @@
   the benchmark pages): figures go stale in code, they live in docs/benchmarks.md with
   their JSON;
 - no environment variable read when a module is imported (the CLI reads its switches
-  once, at start-up: ``eagle3fn.cli.main.ENVIRONMENT``).
+  once, at start-up: ``eagle3fn.cli.main.ENVIRONMENT``);
+- no source file above ``MAX_FILE_LINES`` lines and no function above
+  ``MAX_FUNCTION_LINES`` lines (Triton kernels in src/eagle3fn/kernels excepted from
+  the function rule): a longer one is split by concern.
 
 Each check has a control: a synthetic source with the offence is caught.
 """
@@ -166,3 +169,49 @@ def test_control_an_import_time_environment_read_is_caught():
     assert import_time_environment_reads('import os\nX = os.environ.get("A", "1") != "0"\n')
     assert import_time_environment_reads('import os\ndef f(x=os.getenv("A")):\n    return x\n')
     assert not import_time_environment_reads('import os\ndef f():\n    return os.environ.get("A")\n')
+
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+KERNELS = ROOT / "src" / "eagle3fn" / "kernels"
+
+
+def size_offences(source: str, functions: bool = True) -> list[str]:
+    """What in ``source`` is too long: the file above ``MAX_FILE_LINES`` lines, and (with
+    ``functions``) each function, method or nested function above ``MAX_FUNCTION_LINES``
+    lines, counted from its ``def`` line to its last line (docstring included)."""
+    lines = len(source.splitlines())
+    found = [f"{lines} lines (at most {MAX_FILE_LINES})"] if lines > MAX_FILE_LINES else []
+    if functions:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"line {node.lineno}: {node.name} has {length} lines (at most {MAX_FUNCTION_LINES})")
+    return found
+
+
+def test_no_long_file_or_function():
+    found = [f"{path.relative_to(ROOT)} {offence}" for path in module_files().values()
+             for offence in size_offences(path.read_text(), functions=not path.is_relative_to(KERNELS))]
+    assert not found, "too long (split the file by concern, or extract named helpers):\n" + "\n".join(found)
+
+
+def _function(name: str, body_lines: int, indent: str = "") -> str:
+    """A function named ``name`` of ``1 + body_lines`` lines."""
+    return f"{indent}def {name}(x):\n" + f"{indent}    x = x + 1\n" * (body_lines - 1) + f"{indent}    return x\n"
+
+
+def test_control_a_long_file_or_function_is_caught():
+    assert size_offences("x = 1\n" * MAX_FILE_LINES) == []
+    assert size_offences("x = 1\n" * (MAX_FILE_LINES + 1)) == [f"{MAX_FILE_LINES + 1} lines (at most 500)"]
+    assert size_offences(_function("short", MAX_FUNCTION_LINES - 1)) == []
+    long = _function("long", MAX_FUNCTION_LINES)
+    assert size_offences(long) == ["line 1: long has 81 lines (at most 80)"]
+    # methods, nested and async functions count too; a kernel file only by its length
+    method = "class A:\n" + _function("method", MAX_FUNCTION_LINES, "    ")
+    assert size_offences(method) == ["line 2: method has 81 lines (at most 80)"]
+    nested = "def outer():\n" + _function("inner", MAX_FUNCTION_LINES, "    ") + "    return inner\n"
+    assert [o.split(":")[1].split()[0] for o in size_offences(nested)] == ["outer", "inner"]
+    assert size_offences("async " + long) == ["line 1: long has 81 lines (at most 80)"]
+    assert size_offences(long, functions=False) == []
