@@ -1,7 +1,7 @@
 """Export a trained draft as a directory that SGLang and vLLM load as an EAGLE-3 draft.
 
 Legend: V target vocab, Vd draft vocab, H draft hidden, Ht target hidden, N target
-decoder layers. Aux layer ids are output-of-layer ids (``io/target.py``).
+decoder layers. Aux layer ids are output-of-layer ids (``io.target.checks``).
 
 Layout (docs/reference/what-an-export-contains.md gives every key and how each engine reads it)::
 
