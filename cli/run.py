@@ -365,11 +365,18 @@ def _write_json(args: EvalArgs, out: dict, target) -> None:
     os.replace(tmp, args.json)
 
 
+DEMO_K, DEMO_BATCH = 1, 1
+"""The demo's closing evaluation: one draft token per round, one prompt at a time, the
+fastest setting measured on the 2-core CPU for the demo's minutes-trained draft
+(docs/results.md, "The CPU demo")."""
+
+
 def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
                 untrained_new_tokens: int) -> None:
     """The embedded default's closing table: acceptance length of the untrained and the
-    trained draft on held-out prompts, the held-out training objective, where the run's
-    files are, and the commands that reproduce the numbers and export the draft."""
+    trained draft on held-out prompts (k = ``DEMO_K``, batch ``DEMO_BATCH``), the held-out
+    training objective, where the run's files are, and the commands that reproduce the
+    numbers and export the draft."""
     import shlex
     from pathlib import Path
 
@@ -379,17 +386,19 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
 
     out = Path(out_dir)
     q = shlex.quote(str(out))
-    base = f"eagle3fn eval --run {q} --num-prompts {num_prompts}"
-    untrained = evaluate(EvalArgs(run=str(out), num_prompts=num_prompts, max_new_tokens=untrained_new_tokens,
-                                  untrained=True, baseline=untrained_new_tokens != max_new_tokens))
-    trained = evaluate(EvalArgs(run=str(out), num_prompts=num_prompts, max_new_tokens=max_new_tokens))
+    base = (f"eagle3fn eval --run {q} --num-prompts {num_prompts} --num-draft-tokens {DEMO_K} "
+            f"--batch-size {DEMO_BATCH}")
+    setting = dict(run=str(out), num_prompts=num_prompts, num_draft_tokens=(DEMO_K,), batch_size=(DEMO_BATCH,))
+    untrained = evaluate(EvalArgs(**setting, max_new_tokens=untrained_new_tokens, untrained=True,
+                                  baseline=untrained_new_tokens != max_new_tokens))
+    trained = evaluate(EvalArgs(**setting, max_new_tokens=max_new_tokens))
     if "speedup" not in untrained:  # the same prompts and settings: one target-alone timing serves both
         untrained["speedup"] = untrained["tokens_per_s"] / trained["target_tokens_per_s"]
     rows = [("untrained (step 0)", f"{base} --max-new-tokens {untrained_new_tokens} --untrained", untrained),
             (f"trained (step {trained['step']})", f"{base} --max-new-tokens {max_new_tokens}", trained)]
     kind = "held-out" if trained["held_out"] else "trained-on"
     print(f"\nspeculative decoding on {trained['n_prompts']} {kind} prompts (greedy, "
-          f"k={EvalArgs.num_draft_tokens[0]} draft tokens per round, KV caches, batches of {EvalArgs.batch_size[0]}):")
+          f"k={DEMO_K} draft tokens per round, KV caches, batches of {DEMO_BATCH}):")
     print(f"  {'draft':<20} {'new tokens':>12} {'acceptance length':>19} {'simulated tau':>15} "
           f"{'tokens/s':>10} {'speedup':>9}   reproduce with")
     for name, command, r in rows:
