@@ -1,7 +1,8 @@
 """benchmarks/config_walk.py: the walk of the training config's reads through the
 modules (which module reads, the returns to a module already left, the steps back up
-the import layering)."""
+the import layering), and the training run's walk staying within issue 36's aims."""
 
+import pytest
 from recorders import load_benchmark
 
 from eagle3fn.train.config import TrainConfig
@@ -56,7 +57,18 @@ def test_reads_are_recorded_where_eagle3fn_makes_them():
         assert cfg.packs and cfg.pack_length is None  # read here, not by eagle3fn
         packed_batches([[3, 4], [5]], cfg)
     assert [(walk.short(s.module), s.name) for s in sites] == [
-        ("train.step", "warmup_ratio"), ("train.step", "lr"), ("train.sources", "max_length"),
+        ("train.step", "lr"), ("train.step", "warmup_ratio"), ("train.sources", "max_length"),
         ("train.sources", "row_length"), ("train.sources", "pack_window"), ("train.sources", "batch_size"),
         ("train.sources", "batch_size")]  # the second in the list comprehension
     assert "__getattribute__" not in vars(TrainConfig)
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_the_training_walk_stays_within_the_aims(tmp_path):
+    """A packed online run of the tiny target: under 20 modules and under 10 steps back
+    up (issue 36)."""
+    cfg = walk.scenario_config("online-packed", tmp_path, 2)
+    imports = walk.reach(walk.import_graph())
+    got = walk.walk(cfg, imports)
+    assert got["modules"] < 20 and got["steps_up"] < 10, got["walk"]
+    assert got["modules"] >= 5 and got["returns"] >= 1  # the walk is seen at all

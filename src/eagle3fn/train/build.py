@@ -24,8 +24,7 @@ from eagle3fn.parallel import (Layout, build_layout, distribute_like, full, full
                                init_distributed, is_main, load_optimizer_state, shard)
 from eagle3fn.train.checkpoint import CHECKPOINT, check_resume, read_checkpoint, run_fingerprint, save_checkpoint
 from eagle3fn.train.config import TrainConfig
-from eagle3fn.train.sources import (Source, compute_dtype, offline_source, offline_target, online_source,
-                                    prompt_of)
+from eagle3fn.train.sources import Source, offline_source, offline_target, online_source, prompt_of
 from eagle3fn.unrolled import TTTConfig
 
 
@@ -140,6 +139,26 @@ def check_draft_shape(cfg: TrainConfig) -> None:
             validate_aux_layer_ids(cfg.aux_layer_ids, layers)
 
 
+def check_inputs(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) -> None:
+    """Every input checked before anything heavy loads: the paths (``check_paths``), the
+    draft's shape and --max-length against the target's config (``check_draft_shape``),
+    and with ``memory_check`` the step's estimated peak memory against the device's free
+    memory (``preflight.check_memory``, from the target's config.json). ``--data``
+    beside ``--cache`` (the command line refuses it: ``TrainConfig.refuse_ignored_flags``)
+    is logged as not read."""
+    check_paths(cfg)
+    check_draft_shape(cfg)
+    if cfg.cache and cfg.data:
+        log(f"note: --data {cfg.data} is not read: offline training reads the features from --cache {cfg.cache}")
+    if cfg.memory_check:
+        from transformers import AutoConfig
+
+        from eagle3fn.train.preflight import check_memory
+
+        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        check_memory(cfg, AutoConfig.from_pretrained(cfg.model, **kwargs), device, cfg.compute_dtype(device))
+
+
 def open_out_dir(out: Path) -> bool:
     """Create ``out`` (and parents) and prove it writable; True when this call created it
     (a run that fails before its first checkpoint removes it again)."""
@@ -167,7 +186,8 @@ class Run:
     (DTensor shards over every rank under torchrun), ``layout`` the mesh or None,
     ``total`` the optimizer steps, ``step, epoch, pos`` where the data order stands,
     ``skipped`` the non-finite batches dropped so far, ``saved_step`` the step of the
-    checkpoint in ``out`` (None: none yet)."""
+    checkpoint in ``out`` (None: none yet), ``record`` the settings (``cfg`` as a dict)
+    every checkpoint records."""
 
     cfg: TrainConfig
     device: torch.device
@@ -188,6 +208,7 @@ class Run:
     opt: torch.optim.Optimizer
     total: int
     fingerprint: dict
+    record: dict
     step: int = 0
     epoch: int = 0
     pos: int = 0
@@ -226,7 +247,7 @@ class Run:
         save_checkpoint(path or self.checkpoint, {
             "params": {n: p.detach().cpu() for n, p in weights.items()}, "optimizer": opt_state,
             "step": self.step, "epoch": self.epoch, "pos": self.pos, "rng": torch.get_rng_state(),
-            "config": dataclasses.asdict(self.cfg), "draft": dataclasses.asdict(self.draft_cfg),
+            "config": self.record, "draft": dataclasses.asdict(self.draft_cfg),
             "aux_layer_ids": list(self.target.aux_layer_ids),
             "holdout_prompts": [prompt_of(e) for e in self.held], "fingerprint": self.fingerprint,
             "nonfinite_skipped": self.skipped, **extra})
@@ -245,11 +266,10 @@ def _parallel(cfg: TrainConfig, device: torch.device) -> tuple[Layout | None, to
     return layout, device
 
 
-def ttt_config_for(cfg: TrainConfig, draft_cfg: DraftConfig) -> TTTConfig:
-    """The run's ``TTTConfig``: the draft, ``--ttt-length``, ``--trim``, ``--loss.*`` and
-    the ``--ttt.*`` options."""
-    return TTTConfig(draft=draft_cfg, ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss,
-                     **cfg.ttt.config_fields())
+def ttt_options(cfg: TrainConfig) -> dict:
+    """The run's ``TTTConfig`` keyword arguments but the draft's: ``--ttt-length``,
+    ``--trim``, ``--loss.*`` and the ``--ttt.*`` options."""
+    return dict(ttt_length=cfg.ttt_length, trim=cfg.trim_mode, loss=cfg.loss, **cfg.ttt.config_fields())
 
 
 def frozen_in_compute_dtype(params: dict[str, torch.Tensor], precision: torch.dtype) -> dict[str, torch.Tensor]:
@@ -264,7 +284,8 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
               log: Callable[[str], None]) -> Run:
     """Sources, draft, vocab map, parameters, optimizer, and the checkpoint's state when
     ``out`` holds one (its run fingerprint checked before anything in ``out`` is
-    rewritten). ``cfg`` has passed ``check_paths`` and ``check_draft_shape``."""
+    rewritten). ``cfg`` has passed ``check_inputs``. The settings the build itself uses
+    are read first, in one place; the sources and the fingerprint then read theirs."""
     from transformers import AutoConfig
 
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
@@ -274,33 +295,40 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
         log = lambda s: None  # noqa: E731
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     model_config = AutoConfig.from_pretrained(cfg.model, **kwargs)
-    precision = compute_dtype(cfg, device)
+    precision = cfg.compute_dtype(device)
     master = torch.float64 if precision == torch.float64 else torch.float32
-    if cfg.cache:  # the target's embedding and head, or the whole target to decode with it
+    if cfg.cache:  # the aux layer ids are the cache's
         from eagle3fn.io.cache import check_cache_for_training
 
         aux = check_cache_for_training(cfg.cache, model_dir=cfg.model, gguf_file=cfg.gguf_file,
                                        aux_layer_ids=cfg.aux_layer_ids)
         cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(aux))
+    offline, vocab_map, seed = bool(cfg.cache), cfg.vocab_map, cfg.seed
+    draft_vocab_size, max_length = cfg.draft_vocab_size, cfg.max_length
+    world = {"dp": layout.dp if layout else 1, "ring": cfg.parallel.ring, "ulysses": cfg.parallel.ulysses}
+    adamw = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+    accum, epochs, max_steps = cfg.grad_accum, cfg.epochs, cfg.max_steps
+    ttt = ttt_options(cfg)
+    record = dataclasses.asdict(cfg)  # the settings every checkpoint records
+    if offline:  # the target's embedding and head, or the whole target to decode with it
         target = offline_target(cfg, device, log)
         (examples, source), (held, holdout) = offline_source(cfg, device)
     else:
         target, (examples, source), (held, holdout) = online_source(cfg, device)
     head, embed = target.head_weight, target.embed_tokens
-    draft_cfg = draft_config_for(model_config, cfg.draft_vocab_size, head.shape[0], max_length=cfg.max_length)
-    d2t, t2d = resolve_vocab_map(cfg.vocab_map, examples, vocab_size=head.shape[0],
+    draft_cfg = draft_config_for(model_config, draft_vocab_size, head.shape[0], max_length=max_length)
+    d2t, t2d = resolve_vocab_map(vocab_map, examples, vocab_size=head.shape[0],
                                  draft_vocab_size=draft_cfg.draft_vocab_size)
-    world = {"dp": layout.dp if layout else 1, "ring": cfg.parallel.ring, "ulysses": cfg.parallel.ulysses}
     fingerprint = run_fingerprint(cfg, device=device, precision=precision, world=world, d2t=d2t, t2d=t2d)
     ckpt = out / CHECKPOINT
     state = read_checkpoint(ckpt) if ckpt.exists() else None
     d2t, t2d = d2t.to(device), t2d.to(device)
     params = frozen_in_compute_dtype(init_params(draft_cfg, embed_tokens=embed.to(master),
                                                  target_lm_head=head.to(master), t2d=t2d, device=device,
-                                                 seed=cfg.seed, dtype=master), precision)
+                                                 seed=seed, dtype=master), precision)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     if state is not None:
-        check_resume(ckpt, state, fingerprint, trainable, max_steps=cfg.max_steps, log=log)
+        check_resume(ckpt, state, fingerprint, trainable, max_steps=max_steps, log=log)
     if is_main():
         save_vocab_map(out / "vocab.safetensors", d2t, t2d)
     if layout:
@@ -308,16 +336,14 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     # One fused kernel per parameter group on one GPU (the foreach path launches a few
     # hundred per step); sharded parameters keep the foreach path.
     fused = device.type == "cuda" and not layout
-    opt = torch.optim.AdamW(trainable.values(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=fused or None)
+    opt = torch.optim.AdamW(trainable.values(), **adamw, fused=fused or None)
     # One micro-batch = dp consecutive batches of the order, one per data-parallel rank.
-    per_epoch = math.ceil(len(source.items) / (world["dp"] * cfg.grad_accum))
-    total = min(cfg.max_steps or cfg.epochs * per_epoch, cfg.epochs * per_epoch)
-    ttt_cfg = ttt_config_for(cfg, draft_cfg)
+    per_epoch = math.ceil(len(source.items) / (world["dp"] * accum))
+    total = min(max_steps or epochs * per_epoch, epochs * per_epoch)
     run = Run(cfg=cfg, device=device, precision=precision, layout=layout, out=out, target=target,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
-              ttt_cfg=ttt_cfg, d2t=d2t, t2d=t2d, params=params, trainable=trainable, opt=opt, total=total,
-              fingerprint=fingerprint)
+              ttt_cfg=TTTConfig(draft=draft_cfg, **ttt), d2t=d2t, t2d=t2d, params=params, trainable=trainable,
+              opt=opt, total=total, fingerprint=fingerprint, record=record)
     if state is not None:
         _restore(run, state)
         log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")

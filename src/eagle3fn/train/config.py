@@ -14,11 +14,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
+from eagle3fn.io.device import default_dtype
 from eagle3fn.io.packing import PACK_WINDOW
 from eagle3fn.loss import LossConfig
 from eagle3fn.parallel.mesh import ParallelConfig
 
 PresetName = Literal["demo", "smoke", "long-context"]
+_PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
 def _ttt_default(name: str):
@@ -357,3 +361,8 @@ class TrainConfig:
     def trim_mode(self) -> str:
         """The effective trimming mode."""
         return self.trim or ("loss" if self.trim_loss_positions else "auto")
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the target and the draft step run in on ``device``: ``precision``,
+        where ``auto`` is bf16 on CUDA and fp32 on the CPU."""
+        return default_dtype(device) if self.precision == "auto" else _PRECISIONS[self.precision]

@@ -41,7 +41,7 @@ from eagle3fn.compiled import compile_backend
 from eagle3fn.io.device import resolve_device
 from eagle3fn.io.stop import Stopped, StopRequest, graceful_stop
 from eagle3fn.parallel import all_reduce, is_main
-from eagle3fn.train.build import Run, build_run, check_draft_shape, check_paths, open_out_dir
+from eagle3fn.train.build import Run, build_run, check_inputs, open_out_dir
 from eagle3fn.train.checkpoint import BEST, CHECKPOINT, best_record
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.evaluate import evaluate_holdout, holdout_acceptance
@@ -84,14 +84,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
 
         cfg = dataclasses.replace(cfg, model=str(smollm2_path(log=log)), data=str(demo_data_path()))
         log(f"embedded default: target {cfg.model}, data {cfg.data}, preset {cfg.preset}")
-    device = resolve_device(cfg.device)
-    check_paths(cfg)
-    check_draft_shape(cfg)
-    if cfg.cache and cfg.data:  # the command line refuses it (TrainConfig.refuse_ignored_flags)
-        log(f"note: --data {cfg.data} is not read: offline training reads the features from --cache {cfg.cache}")
-    if cfg.memory_check:
-        _check_memory(cfg, device)
-    out = Path(cfg.out_dir)
+    device, out = resolve_device(cfg.device), Path(cfg.out_dir)
+    check_inputs(cfg, device, log)
     created = open_out_dir(out)
     try:
         with graceful_stop(unit="optimizer step") as stop:
@@ -102,17 +96,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] | None = None,
         if created and not (out / CHECKPOINT).exists() and is_main():
             shutil.rmtree(out, ignore_errors=True)
         raise
-
-
-def _check_memory(cfg: TrainConfig, device) -> None:
-    """``preflight.check_memory`` from the target's config.json, before anything loads."""
-    from transformers import AutoConfig
-
-    from eagle3fn.train.preflight import check_memory
-    from eagle3fn.train.sources import compute_dtype
-
-    model_config = AutoConfig.from_pretrained(cfg.model, **({"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}))
-    check_memory(cfg, model_config, device, compute_dtype(cfg, device))
 
 
 class _Discard:
@@ -138,8 +121,13 @@ def compile_notice() -> str:
 
 def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) -> dict:
     """Optimizer steps to ``run.total``, with logging, held-out evaluation and saves;
-    after a step that saw a stop request, a save and ``Stopped``."""
+    after a step that saw a stop request, a save and ``Stopped``. The loop's settings are
+    read here, once; the steps, logs and evaluations below take them as values."""
     cfg = run.cfg
+    epochs, seed, save_every, eval_every, log_every = (cfg.epochs, cfg.seed, cfg.save_every, cfg.eval_every,
+                                                       cfg.log_every)
+    accept = {"accept_prompts": cfg.eval_accept_prompts, "draft_tokens": cfg.ttt_length,
+              "new_tokens": cfg.eval_accept_tokens}
     metrics = MetricsLog(run.out, resume_step=run.step, tensorboard=cfg.tensorboard) if is_main() else _Discard()
     progress = Progress(run.total, start=run.step, live=live, log=log)
     log = progress.message
@@ -155,21 +143,21 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
         progress.close()
         metrics.close()
         raise Stopped(signum, f"step {run.step}")
-    while run.step < run.total and run.epoch < cfg.epochs:
-        order = run.source.order(run.epoch, cfg.seed)
+    while run.step < run.total and run.epoch < epochs:
+        order = run.source.order(run.epoch, seed)
         while True:
             result = optimizer_step(run, order, log=log, on_grads=on_grads, stop_signal=lambda: stop.signal or 0)
             tokens += result.tokens
-            last = _log_step(run, result, tokens, t0, metrics, progress, log) or last
+            last = _log_step(run, result, tokens, t0, metrics, progress, log, every=log_every) or last
             if run.holdout.items and (run.step == run.total
-                                      or cfg.eval_every and run.step % cfg.eval_every == 0):
-                best = _evaluate(run, metrics, log, best)
-            if run.step % cfg.save_every == 0 or run.step == run.total:
+                                      or eval_every and run.step % eval_every == 0):
+                best = _evaluate(run, metrics, log, best, **accept)
+            if run.step % save_every == 0 or run.step == run.total:
                 run.save()
             if on_step is not None:
                 on_step(run.step)
             if signum := _agreed(run, result, stop):
-                if not (run.step % cfg.save_every == 0 or run.step == run.total):  # not saved above
+                if not (run.step % save_every == 0 or run.step == run.total):  # not saved above
                     run.save()
                 progress.close()
                 metrics.close()
@@ -207,12 +195,12 @@ def _agreed_before_start(run: Run, stop: StopRequest) -> int:
     return int(all_reduce(flag, "max"))
 
 
-def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, progress, log) -> dict | None:
-    """Write the step's metrics row every ``log_every`` steps (and the progress bar every
-    step on a terminal); the row, when it is a finite one that was written."""
-    cfg = run.cfg
+def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, progress, log, *,
+              every: int) -> dict | None:
+    """Write the step's metrics row every ``every`` steps (``log_every``; and the progress
+    bar every step on a terminal); the row, when it is a finite one that was written."""
     wait = run.source.take_wait()  # this step's wait on input (reset every step)
-    logged = run.step % cfg.log_every == 0 or run.step == run.total
+    logged = run.step % every == 0 or run.step == run.total
     if not (logged or progress.live):
         return None
     counted = float(tokens)
@@ -234,26 +222,27 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
     return row
 
 
-def _evaluate(run: Run, metrics, log, best: dict | None) -> dict | None:
+def _evaluate(run: Run, metrics, log, best: dict | None, *, accept_prompts: int, draft_tokens: int,
+              new_tokens: int) -> dict | None:
     """The training objective on the held-out conversations and the acceptance length of
-    speculative decoding of their first ``eval_accept_prompts`` prompts, as a metrics
-    row; a higher acceptance length than ``best`` writes checkpoint-best.pt. Returns the
-    best record (``{"step", "acceptance_length"}``) after this evaluation."""
-    cfg = run.cfg
+    speculative decoding of their first ``accept_prompts`` prompts (``eval_accept_prompts``;
+    ``draft_tokens`` a round, ``new_tokens`` each), as a metrics row; a higher acceptance
+    length than ``best`` writes checkpoint-best.pt. Returns the best record (``{"step",
+    "acceptance_length"}``) after this evaluation."""
     params = run.compute_params()
     row = {"split": "eval", "step": run.step,
            **evaluate_holdout(params, run.holdout, run.ttt_cfg, d2t=run.d2t, t2d=run.t2d, layout=run.layout)}
-    prompts = [prompt_of(e) for e in run.held[:cfg.eval_accept_prompts]]
+    prompts = [prompt_of(e) for e in run.held[:accept_prompts]]
     if prompts:  # every rank decodes (the same greedy result), so none waits at a collective
         row.update(holdout_acceptance(run.target, params, run.draft_cfg, run.d2t, prompts,
-                                      num_draft_tokens=cfg.ttt_length, max_new_tokens=cfg.eval_accept_tokens))
+                                      num_draft_tokens=draft_tokens, max_new_tokens=new_tokens))
     metrics.write(row)
     improved = bool(prompts) and (best is None or row["acceptance_length"] > best["acceptance_length"])
     if improved:
         best = {"step": run.step, "acceptance_length": row["acceptance_length"]}
         run.save(run.out / BEST, best=best)
     accept = (f", acceptance length {row['acceptance_length']:.2f} ({len(prompts)} prompts x "
-              f"{cfg.eval_accept_tokens} tokens{'; best so far, saved ' + BEST if improved else ''})"
+              f"{new_tokens} tokens{'; best so far, saved ' + BEST if improved else ''})"
               if prompts else "")
     log(f"eval step {run.step}: held-out loss {row['loss']:.4f} acc0 {row['acc'][0]:.3f} "
         f"tau {row['tau']:.2f} ({len(run.held)} conversations){accept}")

@@ -25,13 +25,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from eagle3fn.align import supervised_mask
-from eagle3fn.io.device import default_dtype
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features, RowMap
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.unrolled import rowmap_to_device
-
-_PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
 class HostMasks(NamedTuple):
@@ -127,12 +124,6 @@ def send(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """The dtype the target and the draft step run in: ``--precision``, where ``auto`` is
-    bf16 on CUDA and fp32 on the CPU."""
-    return default_dtype(device) if cfg.precision == "auto" else _PRECISIONS[cfg.precision]
-
-
 def load_target_for(cfg: TrainConfig, device: torch.device):
     """The target (``io.target.TargetModel``) on ``device`` in the compute dtype, its
     decoder layers compiled on CUDA with ``--compile-target``."""
@@ -140,7 +131,7 @@ def load_target_for(cfg: TrainConfig, device: torch.device):
 
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     target = load_target(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
-                         dtype=compute_dtype(cfg, device), **kwargs)
+                         dtype=cfg.compute_dtype(device), **kwargs)
     return compile_decoder_layers(target) if cfg.compile_target else target
 
 
@@ -158,7 +149,7 @@ def offline_target(cfg: TrainConfig, device: torch.device, log: Callable[[str], 
         return load_target_for(cfg, device)
     light = ("a GGUF target" if cfg.gguf_file else
              load_embedding_and_head(cfg.model, aux_layer_ids=cfg.aux_layer_ids, device=device,
-                                     dtype=compute_dtype(cfg, device), head_device="cpu"))
+                                     dtype=cfg.compute_dtype(device), head_device="cpu"))
     if isinstance(light, str):
         log(f"offline: loading the whole target ({light}); only its embedding and head are used")
         return load_target_for(cfg, device)
@@ -179,6 +170,7 @@ def online_source(cfg: TrainConfig, device: torch.device):
     from eagle3fn.io.packing import collate_packed, pack_examples
     from eagle3fn.io.target import target_features
 
+    packs, row_length = cfg.packs, cfg.row_length  # read once, not per batch
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
     target = load_target_for(cfg, device)
@@ -191,8 +183,8 @@ def online_source(cfg: TrainConfig, device: torch.device):
     checked = [False]  # the model's head is compared with its logits on the first batch only
 
     def load(group):
-        if cfg.packs:  # rows of conversations, one shape [batch_size, row_length]
-            b = collate_packed(group, pad, cfg.row_length)
+        if packs:  # rows of conversations, one shape [batch_size, row_length]
+            b = collate_packed(group, pad, row_length)
             packed = {"position_ids": send(b["position_ids"], device)}
         else:
             b, packed = collate(group, pad), {}
@@ -203,11 +195,11 @@ def online_source(cfg: TrainConfig, device: torch.device):
 
     def describe(group):
         return "conversations at " + ", ".join(e.source for item in group
-                                                for e in (item if cfg.packs else [item]))
+                                                for e in (item if packs else [item]))
 
     def source(part):
-        part = (pack_examples(part, cfg.max_length, length=cfg.row_length, window=cfg.pack_window)
-                if cfg.packs else part)  # rows of conversations
+        part = (pack_examples(part, cfg.max_length, length=row_length, window=cfg.pack_window)
+                if packs else part)  # rows of conversations
         return Source([part[i:i + cfg.batch_size] for i in range(0, len(part), cfg.batch_size)], load,
                       describe=describe)
     cut = len(examples) - cfg.eval_holdout
@@ -245,12 +237,13 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     from eagle3fn.io.packing import gather_packed
     from eagle3fn.io.prefetch import Prefetcher
 
-    cache = FeatureCache(cfg.cache)  # host side: CPU tensors in the stored dtypes
-    dtype = compute_dtype(cfg, device)
+    packs, row_length, max_length, path = cfg.packs, cfg.row_length, cfg.max_length, cfg.cache  # read once
+    cache = FeatureCache(path)  # host side: CPU tensors in the stored dtypes
+    dtype = cfg.compute_dtype(device)
     head = cache.target_head.to(device=device, dtype=dtype)
 
     def load_host(item, window=None):
-        if cfg.packs:  # rows of conversations, read alone from their shards (no window: one rank per sequence)
+        if packs:  # rows of conversations, read alone from their shards (no window: one rank per sequence)
             wanted = {}  # shard -> its conversations this batch takes, in order
             for row in item:
                 for i, b in row:
@@ -259,7 +252,7 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
             at = {(i, b): (p, k) for p, (i, bs) in enumerate(wanted.items()) for k, b in enumerate(bs)}
             features, loss_mask = gather_packed([(p.features, p.loss_mask) for p in parts],
                                                 [[at[ref] for ref in row] for row in item],
-                                                cfg.row_length, cfg.max_length)
+                                                row_length, max_length)
         else:
             read = cache.read(item, window)
             features, loss_mask = read.features, read.loss_mask
@@ -284,19 +277,19 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     # held[n]: conversations in the last n shards.
     held = [0, *itertools.accumulate(len(s) for s in reversed(shards))]
     if cfg.eval_holdout not in held[:-1]:
-        raise ValueError(f"--eval-holdout {cfg.eval_holdout}: the trailing shards of {cfg.cache} hold "
+        raise ValueError(f"--eval-holdout {cfg.eval_holdout}: the trailing shards of {path} hold "
                          f"{held[1:-1]} conversations; hold out one of those numbers (or 0)")
     cut = len(shards) - held.index(cfg.eval_holdout)
     flat = lambda part: [e for s in part for e in s]  # noqa: E731
 
     def describe(item):
-        if not cfg.packs:
-            return f"shard {cache.names[item]} of the cache {cfg.cache}"
+        if not packs:
+            return f"shard {cache.names[item]} of the cache {path}"
         return (f"conversations {', '.join(f'{cache.names[i]}:{b}' for row in item for i, b in row)} "
-                f"of the cache {cfg.cache}")
+                f"of the cache {path}")
 
     def source(ids):
-        if cfg.packs:  # batches of rows planned over these shards' conversations, in shard order
+        if packs:  # batches of rows planned over these shards' conversations, in shard order
             batches = packed_batches([[len(e) for e in shards[i]] for i in ids], cfg)
             items = [tuple(tuple((ids[i], b) for i, b in row) for row in batch) for batch in batches]
         else:

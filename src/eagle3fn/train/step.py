@@ -48,11 +48,11 @@ class StepResult:
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Linear warm-up over ``warmup_ratio`` of the steps, then cosine decay to 0."""
-    warmup = max(1, round(total * cfg.warmup_ratio))
+    peak, warmup = cfg.lr, max(1, round(total * cfg.warmup_ratio))
     if step < warmup:
-        return cfg.lr * (step + 1) / warmup
+        return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def step_starts(pos: int, n: int, dp: int, accum: int) -> list[int]:
@@ -142,9 +142,10 @@ def _backward(run: Run, order: list[int], starts: list[int]):
     """Forward and backward of the step's micro-batches: ``(items, objectives,
     non-finite flag on the device, tokens)``; gradients accumulate in ``run.trainable``."""
     cfg = run.cfg
+    token_mean = cfg.loss.normalization == "token_mean"
     batches = (micro_batch(run, order, i + (run.layout.dp_rank if run.layout else 0)) for i in starts)
     gated = None
-    if cfg.grad_accum > 1 and (cfg.loss.normalization == "token_mean" or cfg.loss.objective == "alpha"):
+    if cfg.grad_accum > 1 and (token_mean or cfg.loss.objective == "alpha"):
         batches = list(batches)  # the step's micro-batches are held together
         gated = all_reduce(sum(gated_counts(f, rm, run.ttt_cfg, run.t2d) for _, f, rm, _ in batches))
     items, objs, tokens = [], [], 0
@@ -163,7 +164,7 @@ def _backward(run: Run, order: list[int], starts: list[int]):
             reduce_grads(run.trainable, run.whole)
         tokens += (int(rowmap.host.lengths.sum()) if rowmap.host is not None  # no host sync
                    else int(features.attention_mask[:, :rowmap.num_rows].sum()))
-    objective = step_objective(objs, gated=gated is not None, token_mean=cfg.loss.normalization == "token_mean")
+    objective = step_objective(objs, gated=gated is not None, token_mean=token_mean)
     return items, objective, bad, tokens
 
 
@@ -180,11 +181,12 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     ``StepResult.stop`` agrees on every rank."""
     cfg = run.cfg
     starts = step_starts(run.pos, len(order), run.dp, cfg.grad_accum)
+    clip = math.inf if cfg.grad_clip is None else cfg.grad_clip
+    lr = lr_at(run.step, run.total, cfg)
     items, objective, bad, tokens = _backward(run, order, starts)
     run.pos = min(starts[-1] + run.dp, len(order))
     if on_grads is not None:
         on_grads(run.step + 1, full({n: p.grad for n, p in run.trainable.items()}))
-    clip = math.inf if cfg.grad_clip is None else cfg.grad_clip
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stop = torch.full((), float(stop_signal() if stop_signal is not None else 0), device=bad.device)
@@ -192,7 +194,6 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     (grad_norm, flag, stop), objective = _download(torch.stack([grad_norm.double(), flags[:2].max().double(),
                                                                 flags[2].double()]), objective)
     nonfinite = flag > 0
-    lr = lr_at(run.step, run.total, cfg)
     if nonfinite:
         where = "; ".join(run.source.describe(it) for it in items)
         if cfg.on_nonfinite == "error":
