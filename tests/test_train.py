@@ -335,7 +335,7 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     import shlex
 
     from eagle3fn.cli.main import main
-    from eagle3fn.cli.run import demo_report
+    from eagle3fn.cli.run import DEMO_BATCH, DEMO_K, demo_report
 
     out = tmp_path / "run"
     train(config(workdir, out, eval_holdout=2, max_steps=3), log=lambda s: None)
@@ -351,7 +351,8 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     assert "held-out training objective at step 3" in printed
     assert f"checkpoint  {out / CHECKPOINT}" in printed and f"plot        {out / 'loss.png'}" in printed
     rerun = untrained[untrained.index("eagle3fn eval"):]  # the command column
-    assert rerun == f"eagle3fn eval --run {out} --num-prompts 2 --max-new-tokens 3 --untrained"
+    assert rerun == (f"eagle3fn eval --run {out} --num-prompts 2 --num-draft-tokens {DEMO_K} --batch-size {DEMO_BATCH} "
+                     "--max-new-tokens 3 --untrained")
     main(shlex.split(rerun)[1:])
     again = capsys.readouterr().out
     assert f"acceptance length {float(untrained.split()[4]):.2f}" in again  # reproduced
