@@ -22,18 +22,8 @@ turn's content and on its end-of-turn token, 0 on the template's headers, on the
 other roles and on padding. It stays unshifted; ``eagle3fn.align.supervised_mask``
 turns it into the supervised positions (``alignment="eagle"`` or ``"target"``).
 
-Accepted lines (one JSON object per line; blank lines are ignored):
-
-- OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...], "tools": [...]}``;
-  roles ``system``/``user``/``assistant``/``tool``; other message keys (``tool_calls``,
-  ``tool_call_id``, ``name``, ...) are passed to the chat template unchanged.
-- ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...],
-  "system": "...", "tools": "[...]"}``; ``human`` -> user, ``gpt`` -> assistant,
-  ``function_call`` -> assistant (the model writes the call), ``observation`` -> tool.
-  ``conversations`` with ``role``/``content`` turns (SpecForge's prepared form) works too.
-
-Both forms take an optional top-level ``system`` string (prepended as the first
-message) and ``tools`` (a list of JSON schemas, or that list as a JSON string).
+Accepted lines (OpenAI ``messages`` or ShareGPT ``conversations``, optional top-level
+``system`` and ``tools``): ``io.data.reading``'s docstring lists them.
 
 The modules::
 
