@@ -432,7 +432,9 @@ def test_stack_sampler_weighs_functions_by_time():
     got = sampler.summary(top=100)
     incl = {f["name"].split(": ")[-1]: f["s"] for f in got["top"]}
     own = {f["name"].split(": ")[-1]: f["self_s"] for f in got["top_self"]}
-    assert got["samples"] >= 20 and got["s"] == pytest.approx(wall, abs=0.02)
+    # about 80 samples nominal (0.4 s / 5 ms); a loaded machine takes fewer (the sampler
+    # thread waits for the GIL), each then weighted by the longer wall time it covers
+    assert got["samples"] >= 8 and got["s"] == pytest.approx(wall, abs=0.02)
     assert 0.2 <= incl["_long_part"] <= 0.4 and 0.05 <= incl["_short_part"] <= 0.2
     assert incl["_long_part"] > 1.5 * incl["_short_part"]
     assert incl["_both_parts"] >= incl["_long_part"] + incl["_short_part"] - 1e-3  # rounded to 0.1 ms
