@@ -44,7 +44,7 @@ FLAGS = {
               "--save-every", "--log-every", "--device", "--parallel.ulysses", "--parallel.ring", "--parallel.timeout-s", "--eval-holdout", "--eval-every",
               "--eval-accept-prompts", "--eval-accept-tokens",
               "--tensorboard", "--no-tensorboard", "--preset",
-              "--precision", "--compile-target", "--no-compile-target", "--on-nonfinite", "--ttt.attention", "--ttt.loss-impl", "--ttt.fused-head",
+              "--precision", "--compile-step", "--no-compile-step", "--compile-target", "--no-compile-target", "--on-nonfinite", "--ttt.attention", "--ttt.loss-impl", "--ttt.fused-head",
               "--ttt.no-fused-head", "--ttt.head-chunk-rows", "--ttt.teacher-chunk-size",
               "--ttt.auto-backbone-fraction", "--ttt.auto-loss-share", "--ttt.auto-min-rows",
               "--ttt.compile-elementwise", "--ttt.no-compile-elementwise", "--ttt.query-buckets",

@@ -98,6 +98,21 @@ given beside it wins, unless it equals the class default). The embedded default 
 |---|---|---|
 {presets}
 
+### The compiled step (`--compile-step`)
+
+`--compile-step` runs each optimizer step (the teacher table, the k unrolled steps, the
+loss, `torch.autograd.grad` of it, the gradient clip and AdamW) as one `torch.compile`
+graph (`eagle3fn/train/onegraph.py`), instead of a few thousand operations issued one by
+one from the host. The row map and the steps' index maths stay on the host; the row
+counts are padded up to one of 8 sizes (multiples of rows x `--pack-length` / 8) with
+zero-weight rows, so a run compiles at most 8 graphs per batch shape, each the first
+time its size comes up. The maths is the eager step's (tests/test_compiled_step.py:
+equal parameters, optimizer state and metrics in fp64 on the CPU), and the optimizer
+state keeps AdamW's names, so a run may resume with the flag on or off. It needs packed
+rows, one process, `--grad-accum 1` and `--trim loss` or `--trim none`, and refuses
+anything else with the fix. Off by default until measured on the GPU; compare it there
+with `benchmarks/train.py --variants compile-step+trim=loss`.
+
 ## `eagle3fn eval` (`eagle3fn.cli.run.EvalArgs`)
 
 {_table(EvalArgs)}

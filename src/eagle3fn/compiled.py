@@ -42,11 +42,12 @@ INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
 """The inductor options of every eagle3fn compile (module docstring)."""
 
 
-def compiler(fn, backend: str):
-    """``torch.compile(fn, dynamic=True, backend=backend)``, with ``INDUCTOR_OPTIONS``
-    when the backend is inductor."""
+def compiler(fn, backend: str, dynamic: bool = True):
+    """``torch.compile(fn, dynamic=dynamic, backend=backend)``, with ``INDUCTOR_OPTIONS``
+    when the backend is inductor. ``dynamic=False``: one static graph per shape (the
+    compiled training step, whose shapes are bucketed)."""
     options = dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
-    return torch.compile(fn, dynamic=True, backend=backend, options=options)
+    return torch.compile(fn, dynamic=dynamic, backend=backend, options=options)
 
 
 def compile_backend(device: torch.device) -> str | None:

@@ -37,9 +37,12 @@ def fused_on_cuda(fn):
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args):
+        # Inside a compiled region (a compiled training step) before anything else: dynamo
+        # cannot trace the backend's context variable, and the region fuses fn anyway.
+        if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return fn(x, *args)
         backend = compile_backend(x.device)
-        if (backend is None or torch.compiler.is_compiling()
-                or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        if backend is None:
             return fn(x, *args)
         if backend not in compiled:
             compiled[backend] = compiler(fn, backend)

@@ -185,6 +185,10 @@ def step_terms(
     )
 
 
+_TERM_FIELDS = tuple(f.name for f in dataclasses.fields(StepTerms))
+"""``StepTerms``' field names, read once (dynamo cannot read a dataclass's fields)."""
+
+
 def head_step_terms(
     hidden_NH: torch.Tensor,
     head: Callable[..., torch.Tensor],
@@ -215,10 +219,12 @@ def head_step_terms(
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
+    # Under dynamo (a compiled training step) the checkpoint is traced as a region
+    # of its own; dynamo cannot ask whether a tensor is functorch-wrapped.
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
         return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t,
                           row_mask_N=row_mask_N, impl=impl, accept_grad=accept_grad)
-    names = [f.name for f in dataclasses.fields(StepTerms)]
+    names = _TERM_FIELDS
     sums = None
     for start in range(0, max(hidden_NH.shape[0], 1), chunk_rows):
         rows = slice(start, start + chunk_rows)

@@ -47,6 +47,14 @@ def _chunk_bounds(t2d: torch.Tensor, cum: torch.Tensor, chunk_size: int) -> list
     return bounds
 
 
+def vocab_chunk_bounds(t2d: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[int]:
+    """``bounds``, ``len = ceil(V / chunk_size) + 1``: the draft ids of vocab chunk c of
+    ``teacher_table_from_hidden`` are ``[bounds[c], bounds[c + 1])`` (one host read of
+    ``t2d`` bool ``[V]``). A compiled region takes them as an argument, as it cannot
+    read the device."""
+    return _chunk_bounds(t2d, torch.cumsum(t2d, dim=0), chunk_size)
+
+
 def _check_t2d(t2d: torch.Tensor, vocab_size: int, what: str) -> None:
     if t2d.dtype != torch.bool or t2d.dim() != 1:
         raise ValueError(f"t2d must be bool [V], got {t2d.dtype} {tuple(t2d.shape)}")
@@ -101,6 +109,7 @@ def teacher_table_from_hidden(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compile_elementwise: bool = True,
+    bounds: list[int] | None = None,
 ) -> TeacherTable:
     """Teacher table streamed from ``(final hidden, lm_head)`` over vocab chunks.
 
@@ -119,6 +128,8 @@ def teacher_table_from_hidden(
             bytes beside the table).
         compile_elementwise: each block's running update fused into one or two
             compiled kernels on CUDA (``draft.fused_on_cuda``); off: eager.
+        bounds: ``vocab_chunk_bounds(t2d, chunk_size)`` when the caller has them (a
+            compiled region, which cannot read them from the device); None: read here.
 
     Returns:
         TeacherTable with ``logits: [U, Vd]`` in the dtype of the head's matmul (bf16
@@ -146,7 +157,7 @@ def teacher_table_from_hidden(
     # [bounds[c], bounds[c + 1]): one host read per vocab map (Vd sizes the allocation
     # anyway), none in the loop, and no boolean-mask indexing (a GPU sync).
     cum = torch.cumsum(t2d, dim=0)  # [V], draft ids at or before each target id
-    bounds = _chunk_bounds(t2d, cum, chunk_size)
+    bounds = _chunk_bounds(t2d, cum, chunk_size) if bounds is None else bounds
     Vd = bounds[-1]
     draft_ids = torch.searchsorted(cum, torch.arange(1, Vd + 1, device=cum.device))  # [Vd]
     logits = torch.empty(U, Vd, dtype=logits_dtype, device=device)

@@ -215,6 +215,8 @@ class Run:
     skipped: int = 0
     saved_step: int | None = None
     whole: dict = dataclasses.field(default_factory=dict)
+    step_graph: object = None
+    """``onegraph.StepGraph`` with ``--compile-step``, else None (the eager step)."""
 
     @property
     def dp(self) -> int:
@@ -291,6 +293,8 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
     from eagle3fn.io.vocab_io import resolve_vocab_map, save_vocab_map
 
     layout, device = _parallel(cfg, device)
+    if cfg.compile_step and layout is not None:
+        raise UsageError("--compile-step runs on one process: drop --compile-step under torchrun")
     if not is_main():  # messages: rank 0 only
         log = lambda s: None  # noqa: E731
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
@@ -344,6 +348,10 @@ def build_run(cfg: TrainConfig, device: torch.device, out: Path,
               examples=examples, source=source, held=held, holdout=holdout, draft_cfg=draft_cfg,
               ttt_cfg=TTTConfig(draft=draft_cfg, **ttt), d2t=d2t, t2d=t2d, params=params, trainable=trainable,
               opt=opt, total=total, fingerprint=fingerprint, record=record)
+    if cfg.compile_step:
+        from eagle3fn.train.onegraph import StepGraph
+
+        run.step_graph = StepGraph(run)
     if state is not None:
         _restore(run, state)
         log(f"resumed {run.checkpoint} at step {run.step} (epoch {run.epoch}, batch {run.pos})")

@@ -37,14 +37,15 @@ BEST = "checkpoint-best.pt"
 checkpoint, with ``best = {"step", "acceptance_length"}``)."""
 # Settings that do not change what is trained: where output goes, how often it is
 # written, spellings replaced in the fingerprint by what they resolve to, and whether
-# the target's layers are compiled (compile_target: rounding only). A setting listed
+# the target's layers or the draft's step are compiled (compile_target, compile_step:
+# rounding only; the optimizer state keeps AdamW's names either way). A setting listed
 # here never reaches a fingerprint, so removing it from TrainConfig leaves the checkpoints
 # that recorded it resumable (their ``config`` keeps it, unread).
 _NOT_TRAJECTORY = ("out_dir", "save_every", "log_every", "eval_every", "eval_accept_prompts",
                    "eval_accept_tokens", "tensorboard", "preset",
                    "model", "gguf_file", "data", "cache", "vocab_map", "device", "trim",
                    "trim_loss_positions", "parallel", "max_steps", "compile_target",
-                   "allow_long", "memory_check")
+                   "compile_step", "allow_long", "memory_check")
 # max_steps may change on resume (train a run further, or stop it earlier): it is kept
 # beside the fingerprint, and ``check_resume`` says when the lr schedule is re-spanned.
 _REQUIRED = ("params", "optimizer", "step", "epoch", "pos", "rng", "config", "draft", "aux_layer_ids",

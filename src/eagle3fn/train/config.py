@@ -222,6 +222,12 @@ class TrainConfig:
     """Compute dtype of the target and the draft step (masters stay fp32, fp64 with
     float64): ``auto`` is bf16 on CUDA and fp32 on the CPU; float64 is for exactness
     checks."""
+    compile_step: bool = False
+    """Run each optimizer step (teacher, k TTT steps, loss, gradients, clip, AdamW) as
+    one compiled graph per row bucket (``train.onegraph``): the same maths as the eager
+    step, a few host operations per step instead of thousands. Needs packed rows, one
+    process, --grad-accum 1 and --trim loss or none; the first step of each bucket
+    compiles. Off by default: the eager step."""
     compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
@@ -290,6 +296,7 @@ class TrainConfig:
             raise ValueError(f"--loss.objective lambda with --grad-accum {self.grad_accum}: its weight depends "
                              "on the whole step's acceptance, which one micro-batch cannot see; use "
                              "--grad-accum 1 (a larger --batch-size, or data parallelism) with lambda")
+        self._check_compile_step()
         if self.eval_holdout < 0 or self.eval_every < 0:
             raise ValueError(f"--eval-holdout {self.eval_holdout} and --eval-every {self.eval_every} "
                              "must be >= 0")
@@ -329,6 +336,24 @@ class TrainConfig:
              f">= --max-length ({self.max_length}): a row holds at least one whole conversation "
              "(or leave it unset: rows of --max-length)")
         need(self.pack_window >= 1, "pack-window", self.pack_window, ">= 1, e.g. 256")
+
+    def _check_compile_step(self) -> None:
+        """--compile-step's refusals, each naming the flag and the fix (torchrun's is
+        ``build``'s, which knows the world)."""
+        if not self.compile_step:
+            return
+        if self.parallel.sp > 1:
+            raise ValueError("--compile-step runs without sequence parallelism; drop --compile-step or "
+                             "--parallel.ring/--parallel.ulysses")
+        if self.grad_accum > 1:
+            raise ValueError(f"--compile-step takes one micro-batch per optimizer step: pass --grad-accum 1 "
+                             f"(not {self.grad_accum}) with a larger --batch-size, or drop --compile-step")
+        if self.trim_mode not in ("loss", "none"):
+            raise ValueError(f"--compile-step supports --trim loss or none, not {self.trim_mode} (its rows change "
+                             "shape with every batch): pass --trim loss, or drop --compile-step")
+        if not self.pack:
+            raise ValueError("--compile-step needs packed rows (one shape per batch): drop --no-pack, or drop "
+                             "--compile-step")
 
     def refuse_ignored_flags(self) -> None:
         """What the command line refuses and the library only notes (``train`` logs it):

@@ -138,6 +138,12 @@ def micro_batch(run: Run, order: list[int], index: int):
                                                compile_elementwise=run.ttt_cfg.compile_elementwise)
 
 
+def _tokens(features, rowmap) -> int:
+    """The real tokens of a batch's own rows (from the host twin: no host sync)."""
+    return (int(rowmap.host.lengths.sum()) if rowmap.host is not None
+            else int(features.attention_mask[:, :rowmap.num_rows].sum()))
+
+
 def _backward(run: Run, order: list[int], starts: list[int]):
     """Forward and backward of the step's micro-batches: ``(items, objectives,
     non-finite flag on the device, tokens)``; gradients accumulate in ``run.trainable``."""
@@ -162,8 +168,7 @@ def _backward(run: Run, order: list[int], starts: list[int]):
         bad = torch.maximum(bad, (~torch.isfinite(obj.objective.detach())).to(bad.dtype))
         if run.layout:
             reduce_grads(run.trainable, run.whole)
-        tokens += (int(rowmap.host.lengths.sum()) if rowmap.host is not None  # no host sync
-                   else int(features.attention_mask[:, :rowmap.num_rows].sum()))
+        tokens += _tokens(features, rowmap)
     objective = step_objective(objs, gated=gated is not None, token_mean=token_mean)
     return items, objective, bad, tokens
 
@@ -183,12 +188,20 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     starts = step_starts(run.pos, len(order), run.dp, cfg.grad_accum)
     clip = math.inf if cfg.grad_clip is None else cfg.grad_clip
     lr = lr_at(run.step, run.total, cfg)
-    items, objective, bad, tokens = _backward(run, order, starts)
+    if run.step_graph is not None:  # --compile-step: AdamW applied in the graph where finite
+        if on_grads is not None:
+            raise ValueError("on_grads needs the eager step: its gradients never leave the compiled one")
+        item, features, rowmap, _ = micro_batch(run, order, starts[0])
+        objective, grad_norm, bad = run.step_graph.step(run, features, rowmap, lr, clip)
+        items, tokens = [item], _tokens(features, rowmap)
+    else:
+        items, objective, bad, tokens = _backward(run, order, starts)
     run.pos = min(starts[-1] + run.dp, len(order))
-    if on_grads is not None:
-        on_grads(run.step + 1, full({n: p.grad for n, p in run.trainable.items()}))
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if run.step_graph is None:
+        if on_grads is not None:
+            on_grads(run.step + 1, full({n: p.grad for n, p in run.trainable.items()}))
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stop = torch.full((), float(stop_signal() if stop_signal is not None else 0), device=bad.device)
     flags = all_reduce(torch.stack([bad, (~torch.isfinite(grad_norm)).to(bad.dtype), stop]), "max")
     (grad_norm, flag, stop), objective = _download(torch.stack([grad_norm.double(), flags[:2].max().double(),
@@ -209,7 +222,8 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     else:
         for group in run.opt.param_groups:
             group["lr"] = lr
-        run.opt.step()
+        if run.step_graph is None:
+            run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     run.step += 1
     if run.pos == len(order):

@@ -9,6 +9,8 @@
     blocks.py    packed query windows and their FlexAttention block tables
     merges.py    log-sum-exp merges: the diagonal keys; two key blocks (the ring's)
     unroll.py    the k steps of the draft layer, the head and loss per step -> ``ttt``
+                 (its host part ``prepare_batch``, its teacher ``batch_teacher`` and its
+                 differentiable part ``planned_objective``, for a compiled step)
     runtime.py   the intra-op thread count around the host index maths (what is
                  compiled, and dynamo's recompile budget: ``eagle3fn.compiled``)
 
@@ -26,8 +28,8 @@ from eagle3fn.unrolled.flex import flex_kernel_options, pack_queries, packed_fle
 from eagle3fn.unrolled.layout import rowmap_to_device
 from eagle3fn.unrolled.merges import merge_blocks, merge_diagonal, merge_diagonal_as, use_merge_kernel
 from eagle3fn.unrolled.policy import auto_score, auto_trim, choose_trim, computed_rows
-from eagle3fn.unrolled.unroll import (HEAD_CHUNK_LOGITS, backbone, fused_head_chunk, gated_counts,
-                                      trimmed_backbone, ttt)
+from eagle3fn.unrolled.unroll import (HEAD_CHUNK_LOGITS, backbone, batch_teacher, fused_head_chunk,
+                                      gated_counts, planned_objective, prepare_batch, trimmed_backbone, ttt)
 
 __all__ = [
     "AttentionImpl",
@@ -43,6 +45,7 @@ __all__ = [
     "auto_score",
     "auto_trim",
     "backbone",
+    "batch_teacher",
     "block_tables",
     "choose_trim",
     "computed_rows",
@@ -60,6 +63,8 @@ __all__ = [
     "packed_keys",
     "packed_layout",
     "packed_query_len",
+    "planned_objective",
+    "prepare_batch",
     "trimmed_backbone",
     "ttt",
     "use_merge_kernel",

@@ -151,9 +151,12 @@ def trimmed_backbone(draft: Eagle3Draft, features: Features, num_rows: int, ttt_
 
 def _step_terms(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
                 table: TeacherTable, d2t: torch.Tensor, supervised_flat: torch.Tensor | None,
-                collectives: Collectives | None, plan: StepPlan) -> list:
+                collectives: Collectives | None, plan: StepPlan,
+                row_masks: Sequence[torch.Tensor] | None = None) -> list:
     """The whole differentiable part: the unrolled steps, the head and each step's
-    ``StepTerms`` (k of them)."""
+    ``StepTerms`` (k of them). ``row_masks`` (trimmed paths): bool ``[n_j]`` per step,
+    the rows that count (padding rows of a bucketed row map do not: ``StepTerms`` as
+    without them); None: every row counts."""
     attend = collectives.attend if collectives is not None else None
     # trim="backbone": the rows computed_rows gives (the plan holds them), else all
     outs = _unroll(params, features, rowmap.num_rows, plan.computed, config, attend, plan)
@@ -170,11 +173,12 @@ def _step_terms(params: dict[str, torch.Tensor], features: Features, rowmap: Row
             terms.append(head_step_terms(
                 flat.index_select(0, at[j]), functools.partial(head_logits, cfg=config.draft, fused=fused),
                 head_weights(params), table, rowmap.table_rows[j], d2t, **kwargs,
+                row_mask_N=None if row_masks is None else row_masks[j],
                 chunk_rows=fused_head_chunk(config.head_chunk_rows, config.draft.draft_vocab_size)))
             continue
         if config.trim != "none":
             logits = head(params, flat.index_select(0, at[j]), config.draft, fused)  # [n_j, Vd]
-            table_rows, row_mask = rowmap.table_rows[j], None
+            table_rows, row_mask = rowmap.table_rows[j], None if row_masks is None else row_masks[j]
         else:
             logits = head(params, flat, config.draft, fused)  # [B*C, Vd]
             table_rows, row_mask = _dense_step(rowmap, j, supervised_flat, features.positions)
@@ -206,15 +210,16 @@ def _dense_step(rowmap: RowMap, j: int, supervised_flat: torch.Tensor,
 
 
 def _teacher(features: Features, read_U: torch.Tensor, config: TTTConfig,
-             t2d: torch.Tensor) -> TeacherTable:
-    """Teacher table from the target outputs at flat positions ``read_U`` of z."""
+             t2d: torch.Tensor, bounds: list[int] | None = None) -> TeacherTable:
+    """Teacher table from the target outputs at flat positions ``read_U`` of z
+    (``bounds``: ``teacher.vocab_chunk_bounds`` of the streamed path, or None)."""
     if features.target_logits is not None:
         return teacher_table_from_logits(features.target_logits.flatten(0, 1)[read_U], t2d)
     if features.final_hidden is None or features.target_head is None:
         raise ValueError("Features need target_logits, or final_hidden and target_head")
     return teacher_table_from_hidden(features.final_hidden.flatten(0, 1)[read_U],
                                      features.target_head, t2d, chunk_size=config.teacher_chunk_size,
-                                     compile_elementwise=config.compile_elementwise)
+                                     compile_elementwise=config.compile_elementwise, bounds=bounds)
 
 
 def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
@@ -236,6 +241,28 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
     Returns:
         ``Objective`` (``objective`` 0-d, per-step ``[k]`` losses and metrics, tau).
     """
+    config, plan, supervised_flat = prepare_batch(features, rowmap, config, collectives)
+    table = batch_teacher(features, rowmap, config, supervised_flat, t2d=t2d)
+    if collectives is None:
+        return planned_objective(params, features, rowmap, config, plan, supervised_flat, table, d2t=d2t)
+    terms = _step_terms(params, features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
+    if config.loss.normalization == "local_mean" and not _is_one(collectives.loss_scale):
+        scale = torch.as_tensor(collectives.loss_scale).to(terms[0].loss_sum)
+        terms = [dataclasses.replace(t, loss_sum=t.loss_sum * scale) for t in terms]
+    terms = collectives.reduce_terms(terms)
+    if collectives.gated is not None:
+        terms = [dataclasses.replace(t, gated=g.to(t.gated)) for t, g in zip(terms, collectives.gated)]
+    return objective(terms, collectives.denominator, config.loss)
+
+
+def prepare_batch(features: Features, rowmap: RowMap, config: TTTConfig,
+                  collectives: Collectives | None = None) -> tuple[TTTConfig, StepPlan, torch.Tensor | None]:
+    """What ``ttt`` decides and plans before anything differentiable runs, on the host
+    where the row map has a host twin: the batch checked against the row map and its
+    teachers checked (``_check_teachers``), ``trim="auto"`` resolved (``choose_trim``),
+    the steps' index maths (``layout.plan_steps``) and, on the full path, the supervised
+    flat positions bool ``[B*T]`` (else None). Returns ``(config with the trim taken,
+    plan, supervised_flat)``; ``planned_objective`` takes them."""
     B, T = features.input_ids.shape
     if (rowmap.batch_size, rowmap.buffer_len) != (B, T) or rowmap.ttt_length != config.ttt_length:
         raise ValueError(
@@ -255,27 +282,40 @@ def ttt(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, con
         config.attention, collectives.attend if collectives is not None else None, features),
         config.query_buckets)
     supervised_flat = None
-    if config.trim != "none":
-        table = _teacher(features, positions + 1, config, t2d)  # z'[s] = z[s+1]
-    else:
+    if config.trim == "none":
         supervised_flat = torch.zeros(B * T, dtype=torch.bool, device=positions.device)
         # index_fill_, not ``[positions] = True``: that copies the scalar from the host
         # (a sync at every full-path step, seen under CUDA's sync debug mode).
         supervised_flat.index_fill_(0, positions, True)
-        s = torch.arange(B * T, device=positions.device)
-        # A teacher at every position; the last one of each buffer has no z[s+1] and is
-        # never supervised, so any row of z may stand in for it.
-        table = _teacher(features, torch.where(s % T == T - 1, s, s + 1), config, t2d)
-    terms = _step_terms(params, features, rowmap, config, table, d2t, supervised_flat, collectives, plan)
-    if collectives is None:
-        return objective(terms, rowmap.denominator, config.loss)
-    if config.loss.normalization == "local_mean" and not _is_one(collectives.loss_scale):
-        scale = torch.as_tensor(collectives.loss_scale).to(terms[0].loss_sum)
-        terms = [dataclasses.replace(t, loss_sum=t.loss_sum * scale) for t in terms]
-    terms = collectives.reduce_terms(terms)
-    if collectives.gated is not None:
-        terms = [dataclasses.replace(t, gated=g.to(t.gated)) for t, g in zip(terms, collectives.gated)]
-    return objective(terms, collectives.denominator, config.loss)
+    return config, plan, supervised_flat
+
+
+def batch_teacher(features: Features, rowmap: RowMap, config: TTTConfig, supervised_flat: torch.Tensor | None,
+                  *, t2d: torch.Tensor, bounds: list[int] | None = None) -> TeacherTable:
+    """The batch's teacher table (no grad): at the teacher positions ``s`` (``z'[s] =
+    z[s+1]``, ``[U, Vd]``) on the trimmed paths; on the full path (``config.trim ==
+    "none"``, ``supervised_flat`` given) at every position (``[B*T, Vd]``). ``bounds``:
+    ``teacher.vocab_chunk_bounds(t2d, config.teacher_chunk_size)`` for a compiled
+    region (None: read from ``t2d``)."""
+    if config.trim != "none":
+        return _teacher(features, rowmap.teacher_positions + 1, config, t2d, bounds)  # z'[s] = z[s+1]
+    B, T = features.input_ids.shape
+    s = torch.arange(B * T, device=supervised_flat.device)
+    # A teacher at every position; the last one of each buffer has no z[s+1] and is
+    # never supervised, so any row of z may stand in for it.
+    return _teacher(features, torch.where(s % T == T - 1, s, s + 1), config, t2d, bounds)
+
+
+def planned_objective(params: dict[str, torch.Tensor], features: Features, rowmap: RowMap, config: TTTConfig,
+                      plan: StepPlan, supervised_flat: torch.Tensor | None, table: TeacherTable, *,
+                      d2t: torch.Tensor, row_masks: Sequence[torch.Tensor] | None = None) -> Objective:
+    """``ttt`` of one rank after its host part (``prepare_batch``) and teacher
+    (``batch_teacher``): the unrolled steps, head, loss and objective, differentiable in
+    ``params`` and free of host syncs (what a compiled training step traces).
+    ``row_masks``: bool ``[n_j]`` per step, the rows of the row map that count (a
+    bucketed row map's padding rows do not); None: all of them."""
+    terms = _step_terms(params, features, rowmap, config, table, d2t, supervised_flat, None, plan, row_masks)
+    return objective(terms, rowmap.denominator, config.loss)
 
 
 def _check_teachers(positions_U: torch.Tensor, T: int, positions_BT: torch.Tensor | None) -> None:

@@ -1,0 +1,183 @@
+"""The training step as one compiled graph (``--compile-step``): the teacher, the k
+unrolled steps, the loss, the gradients, the clip and the AdamW update of one
+micro-batch traced by dynamo into a single graph per row bucket, so the steady step
+runs a handful of host operations instead of every op of the forward, the backward and
+the optimizer.
+
+Legend: B batch rows, T buffer length, k TTT length, U teacher positions, n_j rows of
+step j, N the bucket the rows are padded to.
+
+What stays on the host: the row map and the steps' index maths (``prepare_batch``),
+and the padding of the row counts up to a bucket (``bucketed``). What is traced: the
+teacher table (``batch_teacher``, its vocab chunk bounds passed in), the objective
+(``planned_objective``), ``torch.autograd.grad`` of it (dynamo's
+``trace_autograd_ops``), the global-norm clip and AdamW on the run's optimizer state,
+applied only when the loss and the gradient norm are finite (``torch.where``, no host
+read). The state stays in ``run.opt`` under AdamW's own names, so a checkpoint resumes
+with either path.
+
+Why one graph with ``autograd.grad`` inside, and not ``torch.func.grad_and_value``:
+the fused head recomputes its logits in backward with ``torch.utils.checkpoint``,
+which functorch's transforms refuse (saved-tensor hooks), and FlexAttention has no
+functorch rule; ``autograd.grad`` traced by dynamo keeps both.
+
+Bounded shapes: packed rows give fixed ``[B, T]`` inputs; under ``trim="loss"`` the
+teacher positions and every step's rows are padded to ``N = bucket_size(U, B*T)``, one
+of ``ROW_BUCKETS`` sizes, padding rows masked out of every sum (exact), so a run
+compiles at most ``ROW_BUCKETS`` graphs per batch shape (the full path,
+``trim="none"``, has one). Graphs are static (``dynamic=False``), what CUDA graphs need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from eagle3fn.compiled import compile_backend, compiler, configure_dynamo
+from eagle3fn.shapes import Objective, RowMap
+from eagle3fn.teacher import vocab_chunk_bounds
+from eagle3fn.unrolled import batch_teacher, planned_objective, prepare_batch
+
+ROW_BUCKETS = 8
+"""The row counts a compiled step pads to: multiples of ``ceil(B*T / ROW_BUCKETS)``,
+so at most this many graphs per batch shape, each padding at most ``B*T /
+ROW_BUCKETS`` rows."""
+
+ADAMW_EPS = 1e-8
+"""``torch.optim.AdamW``'s default eps, which the run's optimizer uses."""
+
+
+def bucket_size(n: int, limit: int, buckets: int = ROW_BUCKETS) -> int:
+    """``n`` rows rounded up to a multiple of ``ceil(limit / buckets)`` (at least one
+    unit, at most ``max(n, limit)``): one of ``buckets`` sizes for ``n <= limit``."""
+    unit = max(1, -(-limit // buckets))
+    return max(n, min(max(1, -(-n // unit)) * unit, limit))
+
+
+def bucketed(rowmap: RowMap, buckets: int = ROW_BUCKETS) -> tuple[RowMap, torch.Tensor]:
+    """``rowmap`` (on the host) with the teacher positions and every step's rows and
+    table rows padded to ``N = bucket_size(U, B*T, buckets)``: padding rows read row 0
+    and table row 0 (any valid index), padding teachers repeat the first teacher
+    position (0 without one). Returns ``(padded row map, counts bool [k, N])``, where
+    ``counts[j, i]`` says row i of step j is real; masked out, the padding adds exact
+    zeros to every sum (``loss.step_terms``'s ``row_mask_N``)."""
+    B, T = rowmap.batch_size, rowmap.buffer_len
+    U = rowmap.teacher_positions.numel()
+    N = bucket_size(U, B * T, buckets)
+
+    def pad(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([x, x.new_full((N - x.numel(),), fill)])
+
+    first = int(rowmap.teacher_positions[0]) if U else 0
+    masks = torch.arange(N)[None] < torch.tensor([r.numel() for r in rowmap.rows])[:, None]
+    padded = dataclasses.replace(rowmap, teacher_positions=pad(rowmap.teacher_positions, first),
+                                 rows=tuple(pad(r, 0) for r in rowmap.rows),
+                                 table_rows=tuple(pad(r, 0) for r in rowmap.table_rows), host=None)
+    return padded, masks
+
+
+_OBJECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(Objective))
+"""``Objective``'s field names, read once (dynamo cannot read a dataclass's fields)."""
+
+
+def _adamw_(p, g, m, v, step, lr, *, betas, weight_decay, finite) -> None:
+    """AdamW (``torch.optim.AdamW``'s single-tensor maths, bias corrections in the
+    parameter's dtype) on ``p`` with gradient ``g``, state ``m, v, step``, where
+    ``finite`` (0-d bool) holds; elsewhere everything stays as it was."""
+    beta1, beta2 = betas
+    t = step + 1
+    tp = t.to(p.dtype)
+    new_p = p * (1 - lr * weight_decay) if weight_decay else p
+    new_m = m.lerp(g, 1 - beta1)
+    new_v = v * beta2 + g * g * (1 - beta2)
+    step_size = lr / (1 - beta1 ** tp)
+    denom = new_v.sqrt() / (1 - beta2 ** tp).sqrt() + ADAMW_EPS
+    new_p = new_p - step_size * (new_m / denom)
+    for x, new in ((p, new_p), (m, new_m), (v, new_v), (step, t)):
+        x.copy_(torch.where(finite, new, x))
+
+
+def _one_step(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], state: list,
+              lr: torch.Tensor, features, rowmap: RowMap, plan, supervised_flat, masks, *, config, precision,
+              d2t, t2d, bounds, clip: float, betas, weight_decay: float):
+    """The traced step: objective, gradients, clip, AdamW (in place on ``trainable`` and
+    ``state``, ``(exp_avg, exp_avg_sq, step)`` per parameter, when finite). Returns
+    ``(objective fields detached, grad norm 0-d, non-finite flag 0-d float)``."""
+    params = {n: p.to(precision) for n, p in {**frozen, **trainable}.items()}
+    table = batch_teacher(features, rowmap, config, supervised_flat, t2d=t2d, bounds=bounds)
+    row_masks = None if masks is None else list(masks.unbind(0))
+    obj = planned_objective(params, features, rowmap, config, plan, supervised_flat, table, d2t=d2t,
+                            row_masks=row_masks)
+    # Detached before autograd.grad consumes the graph (dynamo refuses to return a
+    # tensor whose grad_fn the traced backward used).
+    fields = tuple(getattr(obj, name).detach() for name in _OBJECTIVE_FIELDS)
+    masters = list(trainable.values())
+    grads = torch.autograd.grad(obj.objective, masters)
+    with torch.no_grad():
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        finite = torch.isfinite(obj.objective) & torch.isfinite(norm)
+        for p, g, (m, v, step) in zip(masters, grads, state):
+            _adamw_(p, g * coef, m, v, step, lr, betas=betas, weight_decay=weight_decay, finite=finite)
+    return fields, norm, (~finite).to(norm.dtype)
+
+
+def _to_device(rowmap: RowMap, masks: torch.Tensor, device: torch.device) -> tuple[RowMap, torch.Tensor]:
+    """A padded host row map's teacher positions, rows and table rows, and its row
+    masks, on ``device`` in two copies (views of one buffer at offsets fixed by the
+    bucket, which the static graph's guards hold); on the CPU as they are."""
+    if device.type == "cpu":
+        return rowmap, masks
+    k = rowmap.ttt_length
+    flat = torch.stack([rowmap.teacher_positions, *rowmap.rows, *rowmap.table_rows])
+    flat = flat.pin_memory().to(device, non_blocking=True).unbind(0)
+    masks = masks.pin_memory().to(device, non_blocking=True)
+    return dataclasses.replace(rowmap, teacher_positions=flat[0], rows=flat[1:1 + k],
+                               table_rows=flat[1 + k:]), masks
+
+
+class StepGraph:
+    """The compiled step of a run (``build`` makes one with ``--compile-step``):
+    ``step(run, features, rowmap, lr, clip)`` takes one micro-batch through the
+    objective, its gradients, the clip and AdamW in one compiled call, and returns
+    ``(objective, grad norm, non-finite flag)`` on the device (the update applied only
+    when finite). ``backend``: the dynamo backend (None: the device's, inductor on the
+    CPU too)."""
+
+    def __init__(self, run, backend: str | None = None) -> None:
+        self.backend = backend or compile_backend(run.device) or "inductor"
+        self.fn = compiler(_one_step, self.backend, dynamic=False)
+        self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
+
+    def state(self, run) -> list:
+        """``(exp_avg, exp_avg_sq, step)`` of each trainable parameter in ``run.opt``,
+        made as AdamW makes them on its first step when missing."""
+        out = []
+        for p in run.trainable.values():
+            s = run.opt.state[p]
+            if not s:
+                fused = bool(run.opt.param_groups[0].get("fused"))
+                s["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+                s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out.append((s["exp_avg"], s["exp_avg_sq"], s["step"]))
+        return out
+
+    def step(self, run, features, rowmap: RowMap, lr: float, clip: float):
+        config, plan, supervised_flat = prepare_batch(features, rowmap, run.ttt_cfg)
+        masks = None
+        if config.trim != "none":
+            padded, masks = bucketed(rowmap.host.rowmap if rowmap.host is not None else rowmap)
+            rowmap, masks = _to_device(padded, masks, features.aux.device)
+            plan = dataclasses.replace(plan, at=list(rowmap.rows))
+        group = run.opt.param_groups[0]
+        frozen = {n: p for n, p in run.params.items() if n not in run.trainable}
+        lr_t = torch.tensor(lr, dtype=torch.float64).to(run.device, non_blocking=True)
+        configure_dynamo()
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            fields, norm, bad = self.fn(run.trainable, frozen, self.state(run), lr_t, features, rowmap, plan,
+                                        supervised_flat, masks, config=config, precision=run.precision,
+                                        d2t=run.d2t, t2d=run.t2d, bounds=self.bounds, clip=clip,
+                                        betas=tuple(group["betas"]), weight_decay=group["weight_decay"])
+        return Objective(*fields), norm, bad

@@ -1,0 +1,113 @@
+"""--compile-step (train.onegraph): the optimizer step as one compiled graph per row
+bucket equals the eager step in fp64 on the CPU (params, optimizer state, metrics), a
+wrong variant (one padding row left unmasked) is caught by the same comparison, the
+compilations stay within the row buckets, and unsupported settings are refused."""
+
+import json
+
+import pytest
+import torch
+from recorders import save_tiny_target, write_tiny_chat
+
+import eagle3fn.train.loop as loop
+import eagle3fn.train.onegraph as onegraph
+from eagle3fn.compiled import RecompileCounter, compile_on_cpu
+from eagle3fn.train import CHECKPOINT, METRICS, train
+from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.onegraph import ROW_BUCKETS, bucket_size
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BUCKETED = onegraph.bucketed
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onegraph")
+    save_tiny_target(d / "model")
+    write_tiny_chat(d / "chat.jsonl", 8)
+    return d
+
+
+def config(workdir, out, **kw):
+    """Packed rows of 64 tokens, 2 per batch (4 batches of different supervised counts),
+    fp64, trimmed loss: what --compile-step supports."""
+    base = dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
+                draft_vocab_size=64, batch_size=2, epochs=1, ttt_length=3, lr=1e-3, trim="loss", max_length=64,
+                precision="float64", memory_check=False, save_every=100)
+    return TrainConfig(**{**base, **kw})
+
+
+def _result(out):
+    state = torch.load(out / CHECKPOINT, weights_only=False)
+    rows = [json.loads(r) for r in (out / METRICS).read_text().splitlines()]
+    return state, rows
+
+
+def _compiled(workdir, out, monkeypatch, wrong: bool = False, **kw):
+    """A --compile-step run (dynamo with aot_eager on the CPU); the (U, N) of every
+    batch given to ``bucketed`` and the recompilations. ``wrong``: the first padding
+    row of every step counts (the negative control)."""
+    seen, real = [], BUCKETED
+
+    def spy(rowmap, *a):
+        padded, masks = real(rowmap, *a)
+        seen.append((rowmap.teacher_positions.numel(), padded.teacher_positions.numel()))
+        if wrong:
+            masks = masks.clone()
+            masks[:, masks.sum(1).max()] = True
+        return padded, masks
+    monkeypatch.setattr(onegraph, "bucketed", spy)
+    with compile_on_cpu("aot_eager"), RecompileCounter() as counter:
+        train(config(workdir, out, compile_step=True, **kw), log=lambda s: None)
+    return seen, counter.count
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "plot_metrics", lambda *a, **k: None)  # not under test here
+        train(config(workdir, out / "eager"), log=lambda s: None)
+        train(config(workdir, out / "eager1", max_steps=1), log=lambda s: None)
+        seen, recompiles = _compiled(workdir, out / "compiled", mp)
+        _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
+    return {name: _result(out / name) for name in ("eager", "eager1", "compiled", "wrong")}, seen, recompiles
+
+
+def _same(a, b) -> bool:
+    """Params, AdamW state and logged metrics equal at fp64 tolerance."""
+    (sa, ra), (sb, rb) = a, b
+    params = all(torch.allclose(sa["params"][n], sb["params"][n], rtol=1e-10, atol=1e-14) for n in sa["params"])
+    opt = all(torch.allclose(x[k].double(), sb["optimizer"]["state"][i][k].double(), rtol=1e-10, atol=1e-16)
+              for i, x in sa["optimizer"]["state"].items() for k in ("exp_avg", "exp_avg_sq", "step"))
+    keys = ("loss", "grad_norm", "kl", "acc", "accept", "tau", "lr")
+    metrics = [{k: r[k] for k in keys} for r in ra] == [{k: r[k] for k in keys} for r in rb]
+    return params and opt and metrics and sa["step"] == sb["step"]
+
+
+def test_compiled_step_equals_the_eager_one(runs):
+    results, _, _ = runs
+    assert results["eager"][0]["step"] == 4
+    assert _same(results["eager"], results["compiled"])
+    # The negative control: one padding row counted changes the loss and the update.
+    assert not _same(results["eager1"], results["wrong"])
+
+
+def test_row_counts_compile_at_most_one_graph_per_bucket(runs):
+    _, seen, recompiles = runs
+    counts, buckets = {u for u, _ in seen}, {n for _, n in seen}
+    assert len(seen) == 4 and all(n >= u for u, n in seen)
+    assert recompiles + 1 <= len(buckets) < len(counts)
+    # Every count up to B*T lands in one of ROW_BUCKETS sizes, padding under one unit.
+    sizes = {bucket_size(n, 1000) for n in range(1001)}
+    assert len(sizes) == ROW_BUCKETS and all(bucket_size(n, 1000) - n <= 125 for n in range(1001))
+
+
+def test_unsupported_settings_are_refused_with_the_fix(workdir, tmp_path):
+    cases = [(dict(grad_accum=2), "--grad-accum 1"), (dict(trim="auto"), "--trim loss"),
+             (dict(trim="backbone"), "--trim loss"), (dict(pack=False), "drop --no-pack")]
+    for kw, fix in cases:
+        with pytest.raises(ValueError, match=fix) as e:
+            config(workdir, tmp_path / "x", compile_step=True, **kw)
+        assert "--compile-step" in str(e.value) and "\n" not in str(e.value)
+    config(workdir, tmp_path / "x", compile_step=False, grad_accum=2, trim="auto")  # off: nothing refused
