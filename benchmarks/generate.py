@@ -31,7 +31,9 @@ counted), ``seconds``, ``tokens_per_s``, ``x_hf`` (tokens/s over transformers' a
 ``prefill_tokens`` (padded; null for transformers); ``same_as_hf``: prompts whose
 engine answer at ``--hf-batch`` equals ``model.generate``'s (greedy in bf16 may differ at
 argmax near-ties: batch composition and padding change the kernels). The engine's time
-includes its prefills and its CUDA-graph recording (once per ``generate`` call).
+includes its prefills and its CUDA-graph recording (once per ``generate`` call); the
+compilation of ``--compile`` is done by the warm-up (``warm_engine``, one per batch size,
+its seconds in ``engine_warmup_s``): a long synthesis run pays it once per shape.
 Printed last: one table.
 """
 
@@ -72,6 +74,12 @@ class GenerateBenchArgs:
     """``GenerateConfig.attention``: grouped (kv heads not repeated) or model (the model's sdpa)."""
     dtype: str = "auto"
     """bfloat16, float32, float64, or auto (bf16 on CUDA, fp32 on the CPU)."""
+    hf_dtype: str | None = None
+    """transformers' dtype for the baseline row (None: ``--dtype``). When it differs, a
+    second row times transformers in ``--dtype`` too, and ``same_as_hf`` compares the
+    engine with that one (greedy answers are compared within one dtype)."""
+    compile: bool = False
+    """``GenerateConfig.compile``: the CPU's decode step compiled (inductor, frozen weights)."""
     device: str = "cuda"
     """``cuda``, ``cuda:N`` or ``cpu``."""
     random_weights: bool = False
@@ -83,11 +91,13 @@ class GenerateBenchArgs:
     """Write the results here as JSON."""
 
 
-def resolve_dtype(args: GenerateBenchArgs):
+def resolve_dtype(args: GenerateBenchArgs, name: str | None = None):
+    """``name`` (default ``--dtype``) as a torch dtype; auto: bf16 on CUDA, fp32 on the CPU."""
     import torch
 
-    if args.dtype != "auto":
-        return getattr(torch, args.dtype)
+    name = args.dtype if name is None else name
+    if name != "auto":
+        return getattr(torch, name)
     return torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
 
 
@@ -177,11 +187,29 @@ def engine(model, prompts: list[list[int]], batch: int, args: GenerateBenchArgs)
 
     counters = Counters()
     cfg = GenerateConfig(batch_size=batch, max_new_tokens=args.max_new_tokens, check_every=args.check_every,
-                         attention=args.attention)
+                         attention=args.attention, compile=args.compile)
     answers: list[list[int] | None] = [None] * len(prompts)
     for index, tokens, _ in generate(model, prompts, cfg, counters=counters):
         answers[index] = tokens
     return answers, counters
+
+
+def warm_engine(model, prompts: list[list[int]], batch: int, args: GenerateBenchArgs) -> float:
+    """Seconds to warm the engine up for ``batch`` slots over ``prompts``'s longest: one
+    ``generate`` with the timed run's shapes (request 0 limited to ``--max-new-tokens``, the
+    others to 1 token) left after its first answers, i.e. after its first block of decode
+    steps (with ``--compile`` the compilation of the step for that shape)."""
+    from eagle3fn.decoding import GenerateConfig, generate
+
+    cfg = GenerateConfig(batch_size=batch, max_new_tokens=args.max_new_tokens, check_every=args.check_every,
+                         attention=args.attention, compile=args.compile)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    chosen = [prompts[longest]] + [p for i, p in enumerate(prompts) if i != longest][:batch - 1]
+    t = time.perf_counter()
+    run = generate(model, chosen, cfg, max_new_tokens=[args.max_new_tokens] + [1] * (len(chosen) - 1))
+    next(run)
+    run.close()
+    return time.perf_counter() - t
 
 
 def main(args: GenerateBenchArgs) -> dict:
@@ -192,19 +220,30 @@ def main(args: GenerateBenchArgs) -> dict:
     from meta import run_metadata
 
     resolved = {k: v for k, v in asdict(args).items() if not (k == "out" and v is None)}
-    resolved.update(dtype=str(resolve_dtype(args)).removeprefix("torch."))
+    resolved.update(dtype=str(resolve_dtype(args)).removeprefix("torch."),
+                    hf_dtype=str(resolve_dtype(args, args.hf_dtype or args.dtype)).removeprefix("torch."))
     run_metadata(resolved)  # off git without EAGLE3FN_COMMIT: fails before any device time
     if args.hf_prompts > args.prompts:
         raise ValueError(f"--hf-prompts {args.hf_prompts} must be <= --prompts {args.prompts}")
     model, prompts = load(args)
+    baseline = model
+    if resolved["hf_dtype"] != resolved["dtype"]:
+        from dataclasses import replace
+
+        baseline = load(replace(args, dtype=resolved["hf_dtype"]))[0]
     device = model.get_output_embeddings().weight.device
     eos = set(eos_token_ids(model))
     lengths = [len(p) for p in prompts]
     print(f"{args.model}: {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, <= {args.max_new_tokens} "
           f"new, {resolved['dtype']} on {device}, EOS ids {sorted(eos)}", flush=True)
     hf_prompts = prompts[:args.hf_prompts]
-    hf_generate(model, hf_prompts[:args.hf_batch], args.hf_batch, 8, eos)  # warm-ups
-    engine(model, prompts[:args.hf_batch], args.hf_batch, GenerateBenchArgs(**{**asdict(args), "max_new_tokens": 8}))
+    for m in {id(model): model, id(baseline): baseline}.values():
+        hf_generate(m, hf_prompts[:args.hf_batch], args.hf_batch, 8, eos)  # warm-ups
+    warmup_s = {str(args.hf_batch): warm_engine(model, hf_prompts, args.hf_batch, args)}
+    for batch in args.batches:
+        if str(batch) not in warmup_s:
+            warmup_s[str(batch)] = warm_engine(model, prompts[:args.prompts_per_slot * batch], batch, args)
+    print(f"engine warm-up seconds by batch (compiles with --compile): {warmup_s}", flush=True)
 
     rows = []
 
@@ -223,22 +262,26 @@ def main(args: GenerateBenchArgs) -> dict:
         return answers
 
     with torch.no_grad():
-        reference = timed("transformers generate", args.hf_batch,
-                          lambda: (hf_generate(model, hf_prompts, args.hf_batch, args.max_new_tokens, eos), None))
+        two = baseline is not model
+        reference = timed("transformers generate" + (f" {resolved['hf_dtype']}" if two else ""), args.hf_batch,
+                          lambda: (hf_generate(baseline, hf_prompts, args.hf_batch, args.max_new_tokens, eos), None))
+        if two:
+            reference = timed(f"transformers generate {resolved['dtype']}", args.hf_batch,
+                              lambda: (hf_generate(model, hf_prompts, args.hf_batch, args.max_new_tokens, eos), None))
         same = timed("engine, same prompts", args.hf_batch, lambda: engine(model, hf_prompts, args.hf_batch, args))
         for batch in args.batches:
             timed("engine", batch, lambda: engine(model, prompts[:args.prompts_per_slot * batch], batch, args))
     hf_rate = rows[0]["tokens_per_s"]
     for row in rows:
         row["x_hf"] = row["tokens_per_s"] / hf_rate
-    result = dict(rows=rows, same_as_hf=sum(a == b for a, b in zip(same, reference)), hf_prompts=len(reference),
-                  best_tokens_per_s=max(r["tokens_per_s"] for r in rows[1:]))
+    result = dict(rows=rows, engine_warmup_s=warmup_s, same_as_hf=sum(a == b for a, b in zip(same, reference)), hf_prompts=len(reference),
+                  best_tokens_per_s=max(r["tokens_per_s"] for r in rows if r["name"].startswith("engine")))
     report = dict(run_metadata(resolved), result=result)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\n{'run':<24}{'batch':>6}{'prompts':>8}{'tokens':>9}{'seconds':>9}{'tok/s':>10}{'x hf':>7}")
+    print(f"\n{'run':<32}{'batch':>6}{'prompts':>8}{'tokens':>9}{'seconds':>9}{'tok/s':>10}{'x hf':>7}")
     for r in rows:
-        print(f"{r['name']:<24}{r['batch']:>6}{r['prompts']:>8}{r['tokens']:>9}{r['seconds']:>9.1f}"
+        print(f"{r['name']:<32}{r['batch']:>6}{r['prompts']:>8}{r['tokens']:>9}{r['seconds']:>9.1f}"
               f"{r['tokens_per_s']:>10.0f}{r['x_hf']:>7.2f}")
     print(f"same answers as transformers at batch {args.hf_batch}: {result['same_as_hf']}/{len(reference)}; "
           f"best {result['best_tokens_per_s']:.0f} tok/s")

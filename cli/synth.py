@@ -52,6 +52,11 @@ class SynthesizeArgs(SynthConfig):
     batch_size: int | None = None
     """Local: requests decoded together (slots of the static cache, refilled as rows
     finish; default 256 on CUDA, 16 on the CPU)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Local target on the CPU: compile the decode step (torch.compile with inductor, the
+    weights frozen into the graph; tens of seconds once per batch shape). auto: on when
+    the run asks for at least 100,000 new tokens (conversations x turns x
+    --max-new-tokens), off below. On CUDA the step is a CUDA graph instead."""
     commit_every: int | None = None
     """Conversations made between writes to --out (a killed run redoes at most these;
     default 8 x --batch-size, or 8 x --concurrency with --server: enough requests per
@@ -130,13 +135,42 @@ def _backend(args: SynthesizeArgs, path: str, tok):
     from eagle3fn.synth.run import default_batch_size, load_local
 
     device = args.model.torch_device()
-    dtype = args.model.torch_dtype(device)
+    dtype = synth_dtype(args.model.dtype, device)
     identity = {"backend": "local", "target": target_fingerprint(path, args.model.gguf_file),
                 "dtype": str(dtype).removeprefix("torch.")}
     batch = args.batch_size or default_batch_size(device)
     backend, model = load_local(path, tok, gguf_file=args.model.gguf_file, dtype=dtype, device=device,
-                                batch_size=batch)
+                                batch_size=batch, compile=device.type == "cpu" and compile_decode(args))
     return backend, model, identity, batch
+
+
+COMPILE_FROM_TOKENS = 100_000
+"""New tokens a CPU run must ask for before ``--compile`` defaults to on: about 10
+minutes of eager decoding on a 2-core CPU, against a few minutes of compiling."""
+
+
+def compile_decode(args: SynthesizeArgs) -> bool:
+    """``--compile`` resolved: as given, else on from ``COMPILE_FROM_TOKENS`` planned new
+    tokens (``--num-conversations`` or 100, x ``--turns`` x ``--max-new-tokens``)."""
+    if args.compile != "auto":
+        return args.compile == "on"
+    from eagle3fn.synth.config import DEFAULT_CONVERSATIONS
+
+    planned = (args.num_conversations or DEFAULT_CONVERSATIONS) * args.turns * args.max_new_tokens
+    return planned >= COMPILE_FROM_TOKENS
+
+
+def synth_dtype(name: str, device):
+    """The target's dtype for generation: as given, or for ``auto`` bf16 on CUDA and on a
+    CPU with AMX (bf16 matrix units: about twice fp32's speed there, as served models
+    run), fp32 on other CPUs."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_amx_tile_supported()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def regenerate(args) -> None:

@@ -28,3 +28,17 @@ def test_tiny_cpu_run(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1].startswith("same answers as transformers at batch 4: 6/6")
     assert printed[-6].split() == ["run", "batch", "prompts", "tokens", "seconds", "tok/s", "x", "hf"]
+
+
+def test_compiled_engine_against_another_dtype(tmp_path):
+    """``--compile`` with ``--hf-dtype``: the baseline row in the other dtype, a second
+    transformers row in the engine's, the compiled engine's answers equal that one's
+    (fp64), and the warm-up (which compiles) is reported apart from the timed rows."""
+    bench = load_benchmark("generate")
+    args = bench.GenerateBenchArgs(model="tiny", device="cpu", dtype="float64", hf_dtype="float32", compile=True,
+                                   prompts=8, hf_prompts=4, hf_batch=4, batches=(4,), prompts_per_slot=2,
+                                   max_new_tokens=6)
+    result = bench.main(args)["result"]
+    assert [r["name"] for r in result["rows"]] == ["transformers generate float32", "transformers generate float64",
+                                                    "engine, same prompts", "engine"]
+    assert result["same_as_hf"] == 4 and list(result["engine_warmup_s"]) == ["4"]

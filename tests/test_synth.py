@@ -285,7 +285,7 @@ def test_killed_cli_run_resumes_to_the_uninterrupted_file(tmp_path, tok, model, 
 # ------------------------------------------------------------------ CLI checks before any work
 
 # Changing a flag is a user-visible change: update this set on purpose.
-FLAGS = {"--batch-size", "--commit-every", "--concurrency", "--keep-truncated", "--no-keep-truncated",
+FLAGS = {"--batch-size", "--commit-every", "--compile", "--concurrency", "--keep-truncated", "--no-keep-truncated",
          "--max-new-tokens", "--max-prompt-tokens", "--model.device", "--model.dtype", "--model.gguf-file",
          "--model.path", "--near-duplicate-threshold", "--requests-only", "--no-requests-only",
          "--num-conversations", "--on-error", "--out", "--prompt-temperature", "--prompt-top-p", "--prompts",
@@ -351,3 +351,23 @@ def test_sigterm_stops_after_the_chunk_and_the_rerun_completes_the_same_file(tmp
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
     run(cut, tok, EngineBackend(model, tok, batch_size=4), cfg)
     assert cut.read_text() == whole.read_text()
+
+
+def test_compile_and_dtype_defaults(monkeypatch):
+    """--compile auto turns the CPU's compiled decode step on from 100,000 planned new
+    tokens (conversations x turns x max new tokens; 100 conversations by default), and
+    --model.dtype auto is bf16 on a CPU with AMX, fp32 without (control: either way an
+    explicit choice wins)."""
+    import torch
+
+    from eagle3fn.cli.synth import SynthesizeArgs, compile_decode, synth_dtype
+
+    assert not compile_decode(SynthesizeArgs())  # 100 x 512
+    assert compile_decode(SynthesizeArgs(num_conversations=200, max_new_tokens=500))
+    assert compile_decode(SynthesizeArgs(num_conversations=100, turns=2, max_new_tokens=500))
+    assert not compile_decode(SynthesizeArgs(num_conversations=10**6, compile="off"))
+    assert compile_decode(SynthesizeArgs(num_conversations=1, compile="on"))
+    cpu = torch.device("cpu")
+    for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert synth_dtype("auto", cpu) == want and synth_dtype("float64", cpu) == torch.float64

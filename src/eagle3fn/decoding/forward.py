@@ -25,9 +25,15 @@ from eagle3fn.decoding.attention import attention
 from eagle3fn.decoding.static_cache import StaticKVCache
 
 
-@functools.lru_cache(maxsize=16)
+_PARAMS: dict[type, frozenset[str]] = {}
+"""The forward parameters of each model class (a plain dict, not ``functools.lru_cache``:
+a compiled decode step reads it without a graph break once the class is in it)."""
+
+
 def _forward_params(forward_type: type) -> frozenset[str]:
-    return frozenset(inspect.signature(forward_type.forward).parameters)
+    if forward_type not in _PARAMS:
+        _PARAMS[forward_type] = frozenset(inspect.signature(forward_type.forward).parameters)
+    return _PARAMS[forward_type]
 
 
 def cache_kwarg(model: nn.Module) -> str:

@@ -38,7 +38,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from eagle3fn.decoding.forward import cached_forward, prefill
+from eagle3fn.decoding.forward import cache_kwarg, cached_forward, prefill
 from eagle3fn.decoding.graphs import Graphed
 from eagle3fn.decoding.sampling import pick_tokens, request_uniforms
 from eagle3fn.decoding.static_cache import StaticKVCache
@@ -50,6 +50,11 @@ WINDOW_STEP = 64
 COLUMN_ALIGN = 16
 """Cache columns are rounded up to a multiple of this (aligned mask and key rows for the
 attention kernels), within ``max_len``."""
+
+COMPILED_COLUMN_ALIGN = 256
+"""With ``GenerateConfig.compile``, cache columns are rounded up to a multiple of this
+(within ``max_len``): each distinct (slots, columns) shape compiles once, so calls whose
+longest prompt differs by less than this share one compiled step."""
 
 
 @dataclass(kw_only=True)
@@ -74,6 +79,12 @@ class GenerateConfig:
     """Padded prompt tokens per prefill forward at most (bounds the prefill's activations)."""
     graph: bool | None = None
     """Record the decode step as a CUDA graph (None: on CUDA)."""
+    compile: bool = False
+    """CPU only: compile the decode step with torch.compile (inductor, the weights frozen
+    into the graph, which also pre-packs bf16 weights for the CPU's matrix units). Costs
+    tens of seconds once per (slots, columns) shape; worth it for long runs. Columns are
+    then rounded up to ``COMPILED_COLUMN_ALIGN`` so that calls over prompts of other
+    lengths reuse the compiled step."""
     attention: str = "grouped"
     """grouped: attention.grouped_attention (the cache read once per layer); model: the model's own."""
     eos_token_ids: tuple[int, ...] | None = None
@@ -126,6 +137,18 @@ def eos_token_ids(model: nn.Module, tokenizer=None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _frozen(fn):
+    """``fn()`` under inductor's ``freezing`` (read when a call compiles): the weights
+    become constants of the graph, bf16 ones pre-packed for the CPU's matrix units."""
+    import torch._inductor.config as inductor_config
+
+    def call() -> None:
+        with inductor_config.patch(freezing=True):
+            fn()
+
+    return call
+
+
 class _Slots:
     """The slot state (module docstring) and the one decode step over it."""
 
@@ -134,6 +157,9 @@ class _Slots:
         graph = device.type == "cuda" if cfg.graph is None else cfg.graph
         if graph and device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA model, this one is on {device}; leave graph=None")
+        if cfg.compile and device.type != "cpu":
+            raise ValueError(f"compile=True compiles the CPU's decode step, the model is on {device} "
+                             "(CUDA records the step as a CUDA graph: leave compile off)")
         self.model, self.cfg, self.T = model, cfg, T
         self.cache = StaticKVCache(model.config, B, M, dtype=dtype, device=device)
         self.token = torch.zeros(B, dtype=torch.long, device=device)
@@ -143,7 +169,11 @@ class _Slots:
         self.out = torch.zeros(B, T, dtype=torch.long, device=device)
         self.u = torch.zeros(B, T, dtype=torch.float64, device=device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
-        self.step = Graphed(self._step, graph, device)
+        step = self._step
+        if cfg.compile:
+            cache_kwarg(model)  # inspected here, eagerly: the traced step reads the cached answer
+            step = _frozen(torch.compile(self._step, dynamic=False))
+        self.step = Graphed(step, graph, device)
         self.bound = [0] * B  # host upper bound of each slot's n_b (eager windows)
 
     def _pick(self, logits_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
@@ -165,8 +195,8 @@ class _Slots:
 
     def set_window(self, steps: int) -> None:
         """Eager mode: attend only the columns any slot can hold in the next ``steps``
-        steps (rounded up to ``WINDOW_STEP``); graph mode keeps all M."""
-        if self.step.graph:
+        steps (rounded up to ``WINDOW_STEP``); graph and compiled modes keep all M."""
+        if self.step.graph or self.cfg.compile:
             return
         need = max(self.bound) + steps
         self.cache.window = min(self.cache.max_len, -(-need // WINDOW_STEP) * WINDOW_STEP)
@@ -222,7 +252,8 @@ def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateCon
     if cfg.max_len is not None and M > cfg.max_len:
         raise ValueError(f"the longest prompt plus max_new_tokens needs {M} cache columns but max_len={cfg.max_len}; "
                          "raise max_len or shorten the prompts")
-    aligned = -(-M // COLUMN_ALIGN) * COLUMN_ALIGN
+    align = COMPILED_COLUMN_ALIGN if cfg.compile else COLUMN_ALIGN
+    aligned = -(-M // align) * align
     return aligned if cfg.max_len is None or aligned <= cfg.max_len else M
 
 

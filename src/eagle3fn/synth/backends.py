@@ -104,12 +104,13 @@ class GenerateBackend:
 
 class EngineBackend:
     """eagle3fn's batched static-cache generator (``eagle3fn.decoding.generate``):
-    ``batch_size`` slots with continuous refill, CUDA graphs on the GPU. Requests that
+    ``batch_size`` slots with continuous refill, CUDA graphs on the GPU (``compile``: the
+    CPU's step compiled). Requests that
     share (temperature, top_p, stop ids) are decoded in one ``generate`` call with
     per-request token limits and seeds."""
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64) -> None:
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, compile: bool = False) -> None:
+        self.model, self.tokenizer, self.batch_size, self.compile = model, tokenizer, batch_size, compile
 
     def __call__(self, requests: Sequence[Request]) -> Iterator[tuple[int, Completion]]:
         from eagle3fn.decoding import GenerateConfig, generate
@@ -119,7 +120,7 @@ class EngineBackend:
             groups.setdefault((r.temperature, r.top_p, r.stop_ids), []).append(k)
         for (temperature, top_p, stop_ids), ks in groups.items():
             cfg = GenerateConfig(batch_size=self.batch_size, temperature=temperature, top_p=top_p,
-                                 eos_token_ids=stop_ids)
+                                 eos_token_ids=stop_ids, compile=self.compile)
             for done in generate(self.model, [requests[k].prompt_ids for k in ks], cfg,
                                  max_new_tokens=[requests[k].max_new_tokens for k in ks],
                                  seeds=[requests[k].seed for k in ks]):

@@ -22,10 +22,11 @@ def default_batch_size(device: torch.device) -> int:
 
 
 def load_local(path: str, tokenizer, *, gguf_file: str | None, dtype: torch.dtype, device: torch.device,
-               batch_size: int):
+               batch_size: int, compile: bool = False):
     """``(backend, model)`` for the target in ``path``: ``EngineBackend`` (the static-cache
-    generator), or ``GenerateBackend`` for a model with sliding-window layers, which that
-    generator does not serve."""
+    generator; ``compile``: its CPU decode step compiled, ``GenerateConfig.compile``), or
+    ``GenerateBackend`` for a model with sliding-window layers, which that generator does
+    not serve."""
     from transformers import AutoModelForCausalLM
 
     from eagle3fn.decoding.static_cache import check_full_attention
@@ -36,7 +37,7 @@ def load_local(path: str, tokenizer, *, gguf_file: str | None, dtype: torch.dtyp
         check_full_attention(model.config)
     except ValueError:
         return GenerateBackend(model, tokenizer, batch_size=batch_size), model
-    return EngineBackend(model, tokenizer, batch_size=batch_size), model
+    return EngineBackend(model, tokenizer, batch_size=batch_size, compile=compile), model
 
 
 def model_eos(model) -> tuple[int, ...]:
