@@ -348,6 +348,39 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
     return {**result, "best": {str(b): r for b, r in result["best"].items()}, "simulated_acc": acc}
 
 
+def source_state() -> dict:
+    """What code made a result: eagle3fn's version, torch's and transformers', and the
+    ``commit`` and ``dirty`` state of the source tree: ``EAGLE3FN_COMMIT`` /
+    ``EAGLE3FN_DIRTY`` when set (a copied tree), else git's view of the checkout the
+    package was imported from (an editable install), else None (an installed wheel:
+    its version names it)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import transformers
+
+    import eagle3fn
+
+    commit, dirty = os.environ.get("EAGLE3FN_COMMIT") or None, os.environ.get("EAGLE3FN_DIRTY")
+    dirty = None if dirty is None else dirty != "0"
+    if commit is None:
+        src = Path(eagle3fn.__file__).resolve().parent
+
+        def git(*argv: str) -> str | None:
+            try:
+                run = subprocess.run(["git", "-C", str(src), *argv], capture_output=True, text=True, timeout=10)
+            except (OSError, subprocess.SubprocessError):
+                return None
+            return run.stdout.strip() if run.returncode == 0 else None
+
+        commit = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain") if commit else None
+        dirty = None if status is None else bool(status)
+    return {"eagle3fn": eagle3fn.__version__, "commit": commit, "dirty": dirty, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def _write_json(args: EvalArgs, out: dict, target) -> None:
     """``out`` with the arguments and the device, to ``args.json`` (atomically); a sweep
     writes it after every configuration too (``"partial": true`` until the end)."""
@@ -356,7 +389,7 @@ def _write_json(args: EvalArgs, out: dict, target) -> None:
     import os
 
     device = target.lm_head.weight.device
-    record = {"args": dataclasses.asdict(args), "device": str(device),
+    record = {**source_state(), "args": dataclasses.asdict(args), "device": str(device),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "dtype": str(target.lm_head.weight.dtype), "result": out}
     tmp = f"{args.json}.tmp"

@@ -10,6 +10,8 @@ size would be caught by comparing batch sizes.
 
 import itertools
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,12 @@ def test_eval_cli_sweep_prints_a_table_and_writes_json(workdir, tmp_path, capsys
     assert len(rows) == 4 and record["args"]["num_draft_tokens"] == [1, 2]
     assert set(record["result"]["best"]) == {"1", "2"}
     assert all(1.0 <= r["implied_acceptance_length"] <= 1 + r["k"] for r in rows)
+    # provenance: this checkout's commit (git's, or the environment's for a copied tree)
+    import subprocess
+
+    import eagle3fn
+
+    head = subprocess.run(["git", "-C", str(Path(eagle3fn.__file__).parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or None
+    assert record["commit"] == (os.environ.get("EAGLE3FN_COMMIT") or head)
+    assert record["eagle3fn"] == eagle3fn.__version__ and record["torch"] == torch.__version__
