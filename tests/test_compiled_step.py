@@ -1,7 +1,8 @@
 """--compile-step (train.onegraph): the optimizer step as one compiled graph per row
-bucket equals the eager step in fp64 on the CPU (params, optimizer state, metrics), a
-wrong variant (one padding row left unmasked) is caught by the same comparison, the
-compilations stay within the row buckets, and unsupported settings are refused."""
+bucket (no graph break) equals the eager step in fp64 on the CPU (params, optimizer
+state, metrics), a wrong variant (one padding row left unmasked) is caught by the same
+comparison, the compilations stay within the row buckets, the Triton soft
+cross-entropy runs inside it, and unsupported settings are refused."""
 
 import json
 
@@ -14,7 +15,9 @@ import eagle3fn.train.onegraph as onegraph
 from eagle3fn.compiled import RecompileCounter, compile_on_cpu
 from eagle3fn.train import CHECKPOINT, METRICS, train
 from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.config import TTTOptions
 from eagle3fn.train.onegraph import ROW_BUCKETS, bucket_size
+from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BUCKETED = onegraph.bucketed
@@ -57,9 +60,10 @@ def _compiled(workdir, out, monkeypatch, wrong: bool = False, **kw):
             masks[:, masks.sum(1).max()] = True
         return padded, masks
     monkeypatch.setattr(onegraph, "bucketed", spy)
+    breaks = sum(counters["graph_break"].values())
     with compile_on_cpu("aot_eager"), RecompileCounter() as counter:
         train(config(workdir, out, compile_step=True, **kw), log=lambda s: None)
-    return seen, counter.count
+    return seen, counter.count, sum(counters["graph_break"].values()) - breaks
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +73,9 @@ def runs(workdir, tmp_path_factory):
         mp.setattr(loop, "plot_metrics", lambda *a, **k: None)  # not under test here
         train(config(workdir, out / "eager"), log=lambda s: None)
         train(config(workdir, out / "eager1", max_steps=1), log=lambda s: None)
-        seen, recompiles = _compiled(workdir, out / "compiled", mp)
+        seen, recompiles, breaks = _compiled(workdir, out / "compiled", mp)
         _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
+    assert breaks == 0  # the whole step is one graph
     return {name: _result(out / name) for name in ("eager", "eager1", "compiled", "wrong")}, seen, recompiles
 
 
@@ -101,6 +106,28 @@ def test_row_counts_compile_at_most_one_graph_per_bucket(runs):
     # Every count up to B*T lands in one of ROW_BUCKETS sizes, padding under one unit.
     sizes = {bucket_size(n, 1000) for n in range(1001)}
     assert len(sizes) == ROW_BUCKETS and all(bucket_size(n, 1000) - n <= 125 for n in range(1001))
+
+
+def test_triton_soft_ce_runs_inside_the_compiled_step(workdir, tmp_path, monkeypatch):
+    """The Triton soft cross-entropy (interpreted on the CPU) is a custom op inside the
+    compiled step: no graph break, its kernels launched, the eager step's result at fp32
+    tolerance."""
+    import eagle3fn.kernels.soft_ce as soft_ce
+
+    monkeypatch.setattr(loop, "plot_metrics", lambda *a, **k: None)
+    launched, real = [], soft_ce.soft_ce_fwd
+    monkeypatch.setattr(soft_ce, "soft_ce_fwd", lambda *a, **k: launched.append(1) or real(*a, **k))
+    kw = dict(precision="float32", max_steps=1, ttt=TTTOptions(loss_impl="triton"))
+    train(config(workdir, tmp_path / "eager", **kw), log=lambda s: None)
+    eager_launches = len(launched)
+    _, _, breaks = _compiled(workdir, tmp_path / "compiled", monkeypatch, **kw)
+    # One launch per TTT step (k = 3); the eager step launches each twice (forward, and
+    # the fused head's recomputation in backward).
+    assert breaks == 0 and eager_launches == 6 and len(launched) - eager_launches == 3
+    (a, ra), (b, rb) = _result(tmp_path / "eager"), _result(tmp_path / "compiled")
+    for n in a["params"]:
+        torch.testing.assert_close(a["params"][n], b["params"][n], rtol=1e-5, atol=1e-6)
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-5)
 
 
 def test_unsupported_settings_are_refused_with_the_fix(workdir, tmp_path):

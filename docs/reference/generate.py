@@ -108,7 +108,9 @@ counts are padded up to one of 8 sizes (multiples of rows x `--pack-length` / 8)
 zero-weight rows, so a run compiles at most 8 graphs per batch shape, each the first
 time its size comes up. The maths is the eager step's (tests/test_compiled_step.py:
 equal parameters, optimizer state and metrics in fp64 on the CPU), and the optimizer
-state keeps AdamW's names, so a run may resume with the flag on or off. It needs packed
+state keeps AdamW's names, so a run may resume with the flag on or off. Its backward
+keeps the fused head's chunk logits instead of recomputing them (more memory than the
+eager step; `REMAT` in `onegraph.py` says why). It needs packed
 rows, one process, `--grad-accum 1` and `--trim loss` or `--trim none`, and refuses
 anything else with the fix. Off by default until measured on the GPU; compare it there
 with `benchmarks/train.py --variants compile-step+trim=loss`.

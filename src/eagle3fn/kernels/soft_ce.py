@@ -278,23 +278,62 @@ def soft_ce_bwd(
 
 
 # ---- autograd ----------------------------------------------------------------------
-# Forward and backward kernels each sit in an autograd.Function with setup_context:
-# torch.func transforms hand such a Function's forward plain tensors, which Triton
-# needs (it cannot read the wrappers of grad/vjp).
+# Forward and backward kernels are each a torch.library custom op with a fake (shapes
+# only) implementation, which dynamo keeps as an opaque call inside a compiled graph
+# (the compiled training step traces autograd.grad through them); each sits in an
+# autograd.Function with setup_context: torch.func transforms hand such a Function's
+# forward plain tensors, which Triton needs (it cannot read the wrappers of grad/vjp).
+# An op returns no None: ``correct`` without a target is an empty tensor, turned back
+# into None in ``indexed_soft_ce``.
+
+
+@torch.library.custom_op("eagle3fn::soft_ce_fwd", mutates_args=())
+def _soft_ce_fwd_op(logits_NV: torch.Tensor, teacher_UV: torch.Tensor, lse_draft_U: torch.Tensor,
+                    lse_full_U: torch.Tensor, gate_U: torch.Tensor, table_rows_N: torch.Tensor,
+                    row_mask_N: torch.Tensor | None, target_token_U: torch.Tensor | None,
+                    d2t_V: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor]:
+    loss, lse, mass, argmax, correct, accept = soft_ce_fwd(
+        logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N, row_mask_N, target_token_U, d2t_V)
+    if correct is None:
+        correct = torch.empty(0, dtype=torch.int8, device=logits_NV.device)
+    return loss, lse, mass, argmax, correct, accept
+
+
+@_soft_ce_fwd_op.register_fake
+def _(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N, row_mask_N, target_token_U, d2t_V):
+    N = logits_NV.shape[0]
+    f32 = lambda: logits_NV.new_empty(N, dtype=torch.float32)  # noqa: E731
+    correct = logits_NV.new_empty(N if target_token_U is not None else 0, dtype=torch.int8)
+    return f32(), f32(), f32(), logits_NV.new_empty(N, dtype=torch.int64), correct, f32()
+
+
+@torch.library.custom_op("eagle3fn::soft_ce_bwd", mutates_args=())
+def _soft_ce_bwd_op(grad_N: torch.Tensor, logits_NV: torch.Tensor, teacher_UV: torch.Tensor,
+                    lse_draft_U: torch.Tensor, gate_U: torch.Tensor, table_rows_N: torch.Tensor,
+                    row_mask_N: torch.Tensor | None, lse_N: torch.Tensor, mass_N: torch.Tensor) -> torch.Tensor:
+    # grad_N is often an expanded scalar (stride 0) from a sum.
+    return soft_ce_bwd(grad_N.contiguous(), logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N,
+                       lse_N, mass_N)
+
+
+@_soft_ce_bwd_op.register_fake
+def _(grad_N, logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N, lse_N, mass_N):
+    return torch.empty_like(logits_NV)
 
 
 class _SoftCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U, table_rows_N,
                 row_mask_N, target_token_U, d2t_V):
-        return soft_ce_fwd(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U,
-                           table_rows_N, row_mask_N, target_token_U, d2t_V)
+        return _soft_ce_fwd_op(logits_NV, teacher_UV, lse_draft_U, lse_full_U, gate_U,
+                               table_rows_N, row_mask_N, target_token_U, d2t_V)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits_NV, teacher_UV, lse_draft_U, _, gate_U, table_rows_N, row_mask_N, _, _ = inputs
         _, lse, mass, argmax, correct, accept = output
-        ctx.mark_non_differentiable(*(x for x in output[1:] if x is not None))
+        ctx.mark_non_differentiable(lse, mass, argmax, correct, accept)
         ctx.save_for_backward(logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N,
                               row_mask_N, lse, mass)
 
@@ -308,9 +347,8 @@ class _SoftCEBackward(torch.autograd.Function):
     @staticmethod
     def forward(grad_N, logits_NV, teacher_UV, lse_draft_U, gate_U, table_rows_N, row_mask_N,
                 lse_N, mass_N):
-        # grad_N is often an expanded scalar (stride 0) from a sum.
-        return soft_ce_bwd(grad_N.contiguous(), logits_NV, teacher_UV, lse_draft_U, gate_U,
-                           table_rows_N, row_mask_N, lse_N, mass_N)
+        return _soft_ce_bwd_op(grad_N, logits_NV, teacher_UV, lse_draft_U, gate_U,
+                               table_rows_N, row_mask_N, lse_N, mass_N)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -406,7 +444,8 @@ def indexed_soft_ce(
         c(logits_NV), c(teacher_logits_UV), c(lse_draft_U), c(lse_full_U), c(gate_U),
         c(table_rows_N), c(row_mask_N), c(target_token_U), c(d2t_V),
     )
-    return SoftCE(loss=loss, lse=lse, argmax=argmax, correct=correct, accept=accept)
+    return SoftCE(loss=loss, lse=lse, argmax=argmax, correct=correct if target_token_U is not None else None,
+                  accept=accept)
 
 
 def indexed_soft_ce_naive(

@@ -17,9 +17,12 @@ read). The state stays in ``run.opt`` under AdamW's own names, so a checkpoint r
 with either path.
 
 Why one graph with ``autograd.grad`` inside, and not ``torch.func.grad_and_value``:
-the fused head recomputes its logits in backward with ``torch.utils.checkpoint``,
-which functorch's transforms refuse (saved-tensor hooks), and FlexAttention has no
-functorch rule; ``autograd.grad`` traced by dynamo keeps both.
+the fused head wraps its chunks in ``torch.utils.checkpoint``, which functorch's
+transforms refuse (saved-tensor hooks), and FlexAttention has no functorch rule;
+``autograd.grad`` traced by dynamo takes both (the checkpoint's recomputation is then
+AOTAutograd's to do or not: ``REMAT``). The Triton soft cross-entropy enters the graph
+as two ``torch.library`` custom ops (``kernels.soft_ce``), opaque to dynamo. The
+learning rate is a 0-d tensor input, so the schedule recompiles nothing.
 
 Bounded shapes: packed rows give fixed ``[B, T]`` inputs; under ``trim="loss"`` the
 teacher positions and every step's rows are padded to ``N = bucket_size(U, B*T)``, one
@@ -44,9 +47,12 @@ ROW_BUCKETS = 8
 so at most this many graphs per batch shape, each padding at most ``B*T /
 ROW_BUCKETS`` rows."""
 
-ADAMW_EPS = 1e-8
-"""``torch.optim.AdamW``'s default eps, which the run's optimizer uses."""
-
+REMAT = False
+"""Whether AOTAutograd recomputes the fused head's checkpointed logits in the traced
+backward (``remat_using_tags_for_fwd_loss_bwd_graph``). Off: its pass takes one
+recomputed region per graph and the k steps' heads are k regions (with the Triton soft
+cross-entropy), so the compiled step keeps each chunk's logits for the backward instead
+(more memory than the eager step's recomputation)."""
 
 def bucket_size(n: int, limit: int, buckets: int = ROW_BUCKETS) -> int:
     """``n`` rows rounded up to a multiple of ``ceil(limit / buckets)`` (at least one
@@ -81,7 +87,7 @@ _OBJECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(Objective))
 """``Objective``'s field names, read once (dynamo cannot read a dataclass's fields)."""
 
 
-def _adamw_(p, g, m, v, step, lr, *, betas, weight_decay, finite) -> None:
+def _adamw_(p, g, m, v, step, lr, *, betas, eps, weight_decay, finite) -> None:
     """AdamW (``torch.optim.AdamW``'s single-tensor maths, bias corrections in the
     parameter's dtype) on ``p`` with gradient ``g``, state ``m, v, step``, where
     ``finite`` (0-d bool) holds; elsewhere everything stays as it was."""
@@ -92,7 +98,7 @@ def _adamw_(p, g, m, v, step, lr, *, betas, weight_decay, finite) -> None:
     new_m = m.lerp(g, 1 - beta1)
     new_v = v * beta2 + g * g * (1 - beta2)
     step_size = lr / (1 - beta1 ** tp)
-    denom = new_v.sqrt() / (1 - beta2 ** tp).sqrt() + ADAMW_EPS
+    denom = new_v.sqrt() / (1 - beta2 ** tp).sqrt() + eps
     new_p = new_p - step_size * (new_m / denom)
     for x, new in ((p, new_p), (m, new_m), (v, new_v), (step, t)):
         x.copy_(torch.where(finite, new, x))
@@ -100,7 +106,7 @@ def _adamw_(p, g, m, v, step, lr, *, betas, weight_decay, finite) -> None:
 
 def _one_step(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], state: list,
               lr: torch.Tensor, features, rowmap: RowMap, plan, supervised_flat, masks, *, config, precision,
-              d2t, t2d, bounds, clip: float, betas, weight_decay: float):
+              d2t, t2d, bounds, clip: float, betas, eps: float, weight_decay: float):
     """The traced step: objective, gradients, clip, AdamW (in place on ``trainable`` and
     ``state``, ``(exp_avg, exp_avg_sq, step)`` per parameter, when finite). Returns
     ``(objective fields detached, grad norm 0-d, non-finite flag 0-d float)``."""
@@ -119,7 +125,7 @@ def _one_step(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         finite = torch.isfinite(obj.objective) & torch.isfinite(norm)
         for p, g, (m, v, step) in zip(masters, grads, state):
-            _adamw_(p, g * coef, m, v, step, lr, betas=betas, weight_decay=weight_decay, finite=finite)
+            _adamw_(p, g * coef, m, v, step, lr, betas=betas, eps=eps, weight_decay=weight_decay, finite=finite)
     return fields, norm, (~finite).to(norm.dtype)
 
 
@@ -165,6 +171,10 @@ class StepGraph:
         return out
 
     def step(self, run, features, rowmap: RowMap, lr: float, clip: float):
+        """One micro-batch (``Features [B, T, ...]`` and its row map) through the
+        compiled step at learning rate ``lr``, gradient norm clipped to ``clip``:
+        ``(Objective, grad norm 0-d, non-finite flag 0-d float)`` on the device, the
+        parameters and ``run.opt``'s state updated where finite."""
         config, plan, supervised_flat = prepare_batch(features, rowmap, run.ttt_cfg)
         masks = None
         if config.trim != "none":
@@ -175,9 +185,11 @@ class StepGraph:
         frozen = {n: p for n, p in run.params.items() if n not in run.trainable}
         lr_t = torch.tensor(lr, dtype=torch.float64).to(run.device, non_blocking=True)
         configure_dynamo()
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), torch._functorch.config.patch(
+                remat_using_tags_for_fwd_loss_bwd_graph=REMAT):
             fields, norm, bad = self.fn(run.trainable, frozen, self.state(run), lr_t, features, rowmap, plan,
                                         supervised_flat, masks, config=config, precision=run.precision,
                                         d2t=run.d2t, t2d=run.t2d, bounds=self.bounds, clip=clip,
-                                        betas=tuple(group["betas"]), weight_decay=group["weight_decay"])
+                                        betas=tuple(group["betas"]), eps=group["eps"],
+                                        weight_decay=group["weight_decay"])
         return Objective(*fields), norm, bad
