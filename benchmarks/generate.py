@@ -274,7 +274,7 @@ def main(args: GenerateBenchArgs) -> dict:
     hf_rate = rows[0]["tokens_per_s"]
     for row in rows:
         row["x_hf"] = row["tokens_per_s"] / hf_rate
-    result = dict(rows=rows, engine_warmup_s=warmup_s, same_as_hf=sum(a == b for a, b in zip(same, reference)), hf_prompts=len(reference),
+    result = dict(rows=rows, threads=torch.get_num_threads(), engine_warmup_s=warmup_s, same_as_hf=sum(a == b for a, b in zip(same, reference)), hf_prompts=len(reference),
                   best_tokens_per_s=max(r["tokens_per_s"] for r in rows if r["name"].startswith("engine")))
     report = dict(run_metadata(resolved), result=result)
     if args.out:
