@@ -154,12 +154,17 @@ minutes of eager decoding on a 2-core CPU, against a few minutes of compiling.""
 
 def compile_decode(args: SynthesizeArgs) -> bool:
     """``--compile`` resolved: as given, else on from ``COMPILE_FROM_TOKENS`` planned new
-    tokens (``--num-conversations`` or 100, x ``--turns`` x ``--max-new-tokens``)."""
+    tokens (``--num-conversations``, else the lines of ``--prompts``, else 100; x
+    ``--turns`` x ``--max-new-tokens``)."""
     if args.compile != "auto":
         return args.compile == "on"
     from eagle3fn.synth.config import DEFAULT_CONVERSATIONS
 
-    planned = (args.num_conversations or DEFAULT_CONVERSATIONS) * args.turns * args.max_new_tokens
+    conversations = args.num_conversations
+    if conversations is None and args.prompts is not None:
+        with open(args.prompts, "rb") as f:
+            conversations = sum(1 for line in f if line.strip())
+    planned = (conversations or DEFAULT_CONVERSATIONS) * args.turns * args.max_new_tokens
     return planned >= COMPILE_FROM_TOKENS
 
 

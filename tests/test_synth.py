@@ -353,9 +353,10 @@ def test_sigterm_stops_after_the_chunk_and_the_rerun_completes_the_same_file(tmp
     assert cut.read_text() == whole.read_text()
 
 
-def test_compile_and_dtype_defaults(monkeypatch):
+def test_compile_and_dtype_defaults(monkeypatch, tmp_path):
     """--compile auto turns the CPU's compiled decode step on from 100,000 planned new
-    tokens (conversations x turns x max new tokens; 100 conversations by default), and
+    tokens (conversations x turns x max new tokens; the lines of --prompts, else 100
+    conversations by default), and
     --model.dtype auto is bf16 on a CPU with AMX, fp32 without (control: either way an
     explicit choice wins)."""
     import torch
@@ -367,6 +368,10 @@ def test_compile_and_dtype_defaults(monkeypatch):
     assert compile_decode(SynthesizeArgs(num_conversations=100, turns=2, max_new_tokens=500))
     assert not compile_decode(SynthesizeArgs(num_conversations=10**6, compile="off"))
     assert compile_decode(SynthesizeArgs(num_conversations=1, compile="on"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": []}\n\n' * 200)  # 200 conversations (blank lines not counted)
+    assert compile_decode(SynthesizeArgs(prompts=str(prompts), max_new_tokens=500))
+    assert not compile_decode(SynthesizeArgs(prompts=str(prompts), max_new_tokens=499))
     cpu = torch.device("cpu")
     for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
