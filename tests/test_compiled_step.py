@@ -60,6 +60,9 @@ def _compiled(workdir, out, monkeypatch, wrong: bool = False, **kw):
             masks[:, masks.sum(1).max()] = True
         return padded, masks
     monkeypatch.setattr(onegraph, "bucketed", spy)
+    # Fresh dynamo state: a function another test of this worker compiled first (other
+    # shapes, other dtypes) would recompile here and be counted as this run's.
+    torch._dynamo.reset()
     breaks = sum(counters["graph_break"].values())
     with compile_on_cpu("aot_eager"), RecompileCounter() as counter:
         train(config(workdir, out, compile_step=True, **kw), log=lambda s: None)
