@@ -18,6 +18,7 @@ from eagle3fn.errors import Eagle3fnError
 from eagle3fn.io.stop import Stopped
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
 from eagle3fn.loss import LossConfig
+from eagle3fn.parallel import leave_distributed
 from eagle3fn.plan import PlanArgs, plan
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.train.config import TrainConfig
@@ -253,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args, command = with_settings(args, settings)
     try:
-        command(args)
+        try:
+            command(args)
+        finally:
+            leave_distributed()  # the process group a train run joined, torchrun's or its own
     except Stopped as stopped:  # SIGTERM / SIGINT after a save: not an error, 128 + the signal
         print(stopped, file=sys.stderr)
         sys.exit(stopped.exit_code)

@@ -17,7 +17,8 @@ One batch on one rank of any layout::
     reduce_grads(sharded, whole)   # sharded grads = the one-rank gradient
 """
 
-from eagle3fn.parallel.mesh import Layout, ParallelConfig, all_reduce, build_layout, init_distributed, is_main
+from eagle3fn.parallel.mesh import (Layout, ParallelConfig, all_reduce, build_layout, init_distributed, is_main,
+                                    leave_distributed)
 from eagle3fn.parallel.params import (distribute_like, full, full_optimizer_state, gather, load_optimizer_state,
                                       reduce_grads, shard)
 from eagle3fn.parallel.seqpar import (
@@ -32,5 +33,5 @@ from eagle3fn.parallel.seqpar import (
 
 __all__ = ["Layout", "ParallelConfig", "SequenceParallelAttention", "all_reduce", "build_layout", "chunk_window",
            "collectives", "distribute_like", "full", "full_optimizer_state", "gather", "init_distributed", "is_main",
-           "load_optimizer_state", "pad_for_sp", "reduce_grads", "reduce_terms", "ring_pass", "shard",
+           "leave_distributed", "load_optimizer_state", "pad_for_sp", "reduce_grads", "reduce_terms", "ring_pass", "shard",
            "shard_sequence"]

@@ -97,6 +97,15 @@ def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
                                 timeout=timeout)
 
 
+def leave_distributed() -> None:
+    """Destroy the process group ``init_distributed`` joined, if any. Called when a
+    command ends: a gloo group left to interpreter shutdown can abort the process after
+    its work is done ("terminate called without an active exception", exit -6, seen
+    under torchrun on a loaded machine), which torchrun reports as the run failing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_layout(config: ParallelConfig, device: torch.device) -> Layout:
     """The mesh for ``config`` over the initialised process group.
 
