@@ -54,6 +54,7 @@ recomputed region per graph and the k steps' heads are k regions (with the Trito
 cross-entropy), so the compiled step keeps each chunk's logits for the backward instead
 (more memory than the eager step's recomputation)."""
 
+
 def bucket_size(n: int, limit: int, buckets: int = ROW_BUCKETS) -> int:
     """``n`` rows rounded up to a multiple of ``ceil(limit / buckets)`` (at least one
     unit, at most ``max(n, limit)``): one of ``buckets`` sizes for ``n <= limit``."""

@@ -188,7 +188,7 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
     starts = step_starts(run.pos, len(order), run.dp, cfg.grad_accum)
     clip = math.inf if cfg.grad_clip is None else cfg.grad_clip
     lr = lr_at(run.step, run.total, cfg)
-    if run.step_graph is not None:  # --compile-step: AdamW applied in the graph where finite
+    if run.step_graph is not None:  # --compile-step: clip and AdamW inside the graph, applied where finite
         if on_grads is not None:
             raise ValueError("on_grads needs the eager step: its gradients never leave the compiled one")
         item, features, rowmap, _ = micro_batch(run, order, starts[0])
@@ -196,12 +196,11 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
         items, tokens = [item], _tokens(features, rowmap)
     else:
         items, objective, bad, tokens = _backward(run, order, starts)
-    run.pos = min(starts[-1] + run.dp, len(order))
-    if run.step_graph is None:
         if on_grads is not None:
             on_grads(run.step + 1, full({n: p.grad for n, p in run.trainable.items()}))
         grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.values(), clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    run.pos = min(starts[-1] + run.dp, len(order))
     stop = torch.full((), float(stop_signal() if stop_signal is not None else 0), device=bad.device)
     flags = all_reduce(torch.stack([bad, (~torch.isfinite(grad_norm)).to(bad.dtype), stop]), "max")
     (grad_norm, flag, stop), objective = _download(torch.stack([grad_norm.double(), flags[:2].max().double(),
