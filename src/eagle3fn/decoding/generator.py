@@ -7,7 +7,9 @@ Every slot decodes one request. A decode step is one ``[B, 1]`` forward of every
 pending token (``cached_forward``), then on the device: pick each slot's next token
 (``pick_tokens``), append it to the slot's output row, advance the live slots, and mark a
 slot done when its token is an EOS id or it reached its limit. On CUDA (``graph``) the
-step is recorded once as a CUDA graph and replayed. Every ``check_every`` steps the host
+step is recorded once as a CUDA graph and replayed; on the CPU with ``compile`` it is
+compiled once per (B, M) shape by inductor, the weights frozen into the graph, and attends
+all M columns. Every ``check_every`` steps the host
 reads which slots are done (the only host sync of the loop), yields their requests, and
 refills those slots with the next pending prompts: the prompts are prefilled together
 (left-padded, one forward, ``forward.prefill``), their keys and values copied into the
