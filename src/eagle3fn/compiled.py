@@ -52,7 +52,12 @@ def compiler(fn, backend: str, dynamic: bool = True):
 
 def compile_backend(device: torch.device) -> str | None:
     """The ``torch.compile`` backend the compiled paths use for tensors on ``device``:
-    ``"inductor"`` on CUDA; on the CPU None (eager), or ``compile_on_cpu``'s backend."""
+    ``"inductor"`` on CUDA; on the CPU None (eager), or ``compile_on_cpu``'s backend.
+    None inside a graph being compiled (the one-graph step, ``train.onegraph``): the
+    caller's eager path is traced into that graph instead of compiling again inside it
+    (dynamo refuses ``maybe_mark_dynamic`` and ``ContextVar.get`` there)."""
+    if torch.compiler.is_compiling():
+        return None
     if device.type == "cuda":
         return "inductor"
     return CPU_BACKEND.get() if device.type == "cpu" else None
