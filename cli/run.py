@@ -246,6 +246,8 @@ def evaluate(args: EvalArgs) -> dict:
 
     if args.prompts is not None:
         check_data_file(args.prompts)
+    if args.json is not None:
+        source_state()  # a wrong EAGLE3FN_DIRTY stops here, not after the sweep
     if args.draft is not None:
         from eagle3fn.io.import_draft import as_run
 
@@ -363,7 +365,10 @@ def source_state() -> dict:
     import eagle3fn
 
     commit, dirty = os.environ.get("EAGLE3FN_COMMIT") or None, os.environ.get("EAGLE3FN_DIRTY")
-    dirty = None if dirty is None else dirty != "0"
+    if dirty is not None and dirty not in ("0", "1"):
+        raise ValueError(f"EAGLE3FN_DIRTY={dirty!r}: set it to 0 (the tree is the commit as it is) or 1 "
+                         "(it has changes), as `python benchmarks/meta.py` prints it")
+    dirty = None if dirty is None else dirty == "1"
     if commit is None:
         src = Path(eagle3fn.__file__).resolve().parent
 

@@ -140,3 +140,23 @@ def test_eval_cli_sweep_prints_a_table_and_writes_json(workdir, tmp_path, capsys
                           capture_output=True, text=True).stdout.strip() or None
     assert record["commit"] == (os.environ.get("EAGLE3FN_COMMIT") or head)
     assert record["eagle3fn"] == eagle3fn.__version__ and record["torch"] == torch.__version__
+
+
+def test_eval_json_refuses_a_misspelt_dirty_flag_before_loading(tmp_path, monkeypatch, capsys):
+    """``EAGLE3FN_DIRTY`` other than 0 or 1 (``false`` once recorded a clean GPU tree as
+    dirty) stops ``eagle3fn eval --json`` with a one-line error naming the fix, before
+    the run is even read (the run directory here does not exist). Control: 0 passes that
+    check and fails later, on the missing run."""
+    from eagle3fn.cli.main import main
+
+    args = ["eval", "--run", str(tmp_path / "missing"), "--json", str(tmp_path / "e.json")]
+    monkeypatch.setenv("EAGLE3FN_COMMIT", "abc123")
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "false")
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "EAGLE3FN_DIRTY='false': set it to 0" in capsys.readouterr().err
+    monkeypatch.setenv("EAGLE3FN_DIRTY", "0")
+    with pytest.raises(SystemExit):
+        main(args)
+    err = capsys.readouterr().err
+    assert "EAGLE3FN_DIRTY" not in err and "missing" in err
