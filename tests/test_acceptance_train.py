@@ -176,3 +176,19 @@ def test_demo_verdict_says_faster_only_above_one():
     assert "is 1.12x the target alone (acceptance length 1.90)" in demo_verdict({**base, "speedup": 1.12})
     for slow in (1.0, 0.58):
         assert f"is SLOWER than the target alone ({slow:.2f}x" in demo_verdict({**base, "speedup": slow})
+
+
+def test_the_shipped_gpu_result_is_its_records_best():
+    """The GPU figure the demo prints (``eagle3fn/demo/gpu_result.json``) is the best k
+    of the record it names, rounded as printed. Control: the record's worst k at batch 1
+    is another figure."""
+    from importlib import resources
+    from pathlib import Path
+
+    shipped = json.loads((resources.files("eagle3fn.demo") / "gpu_result.json").read_text())
+    record = json.loads((Path(__file__).resolve().parents[1] / shipped["record"]).read_text())
+    best = record["result"]["best"][str(shipped["batch"])]
+    summary = lambda r: (round(r["acceptance_length"], 2), r["k"], round(r["speedup"], 2))  # noqa: E731
+    assert (shipped["acceptance_length"], shipped["k"], shipped["speedup"]) == summary(best)
+    rows = [r for r in record["result"]["rows"] if r["batch_size"] == shipped["batch"]]
+    assert summary(min(rows, key=lambda r: r["speedup"])) != summary(best)
