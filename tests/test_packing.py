@@ -396,3 +396,23 @@ def test_held_out_evaluation_of_packed_batches(batches):
     want = evaluate_holdout(params, Source([0], lambda i: (f, m)), config, d2t=d2t, t2d=t2d)
     assert (got["acc"], got["accept"], got["tau"]) == (want["acc"], want["accept"], want["tau"])
     assert abs(got["loss"] * 3 * ROW - want["loss"] * len(DOCS) * max(DOCS)) < 1e-10 * want["loss"]
+
+
+def test_auto_attention_takes_flex_only_for_heads_inductor_compiles():
+    """``attention="auto"`` on CUDA is FlexAttention only for heads of at least 16
+    (inductor's kernels refuse smaller ones: "NYI: embedding dimension ... at least 16",
+    seen on the GPU with the tests' 8-wide heads); below that it attends eagerly. An
+    explicit ``flex`` is kept; the CPU and a sequence-parallel ``attend`` never take it.
+    Control: 16 takes flex."""
+    import types
+
+    from eagle3fn.unrolled.attention import FLEX_MIN_HEAD_DIM, is_flex_path
+
+    cuda = types.SimpleNamespace(aux=types.SimpleNamespace(is_cuda=True))
+    cpu = types.SimpleNamespace(aux=types.SimpleNamespace(is_cuda=False))
+    assert FLEX_MIN_HEAD_DIM == 16
+    assert not is_flex_path("auto", None, cuda, 8)
+    assert is_flex_path("auto", None, cuda, 16)
+    assert is_flex_path("flex", None, cuda, 8)
+    assert not is_flex_path("auto", None, cpu, 64)
+    assert not is_flex_path("auto", object(), cuda, 64)

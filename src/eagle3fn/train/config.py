@@ -40,7 +40,7 @@ class TTTOptions:
 
     attention: Literal["auto", "eager", "flex"] = _ttt_default("attention")
     """``eager`` (explicit scores, any device), ``flex`` (compiled FlexAttention, the GPU
-    path), ``auto`` (flex on CUDA, else eager)."""
+    path), ``auto`` (flex on CUDA for heads of at least 16, else eager)."""
     loss_impl: Literal["auto", "torch", "triton"] = _ttt_default("loss_impl")
     """Soft cross-entropy and metrics: ``torch``, ``triton`` (indexed kernels), ``auto``
     (triton on CUDA)."""

@@ -74,9 +74,17 @@ def eager_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def is_flex_path(attention: AttentionImpl, attend, features: Features) -> bool:
-    """Whether the steps' attention is the one-rank packed FlexAttention."""
-    return attend is None and (attention == "flex" or (attention == "auto" and features.aux.is_cuda))
+FLEX_MIN_HEAD_DIM = 16
+"""The smallest head dimension inductor's FlexAttention kernels take ("NYI: embedding
+dimension of the query, key, and value must be at least 16"); ``auto`` attends eagerly
+below it."""
+
+
+def is_flex_path(attention: AttentionImpl, attend, features: Features, head_dim: int) -> bool:
+    """Whether the steps' attention is the one-rank packed FlexAttention: ``flex``, or
+    ``auto`` on CUDA with heads of at least ``FLEX_MIN_HEAD_DIM``."""
+    return attend is None and (attention == "flex" or (attention == "auto" and features.aux.is_cuda
+                                                       and head_dim >= FLEX_MIN_HEAD_DIM))
 
 
 def row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch.Tensor,
@@ -86,7 +94,8 @@ def row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch
     keys ``k0, v0`` ``[B*C, g, d]`` and each row's own keys of steps ``1..j``
     (``diagonal = (k, v)``, each ``[j, N, g, d]`` aligned with the rows; None at j = 0).
 
-    The one-rank FlexAttention path (``config.attention="flex"``, or ``auto`` on CUDA)
+    The one-rank FlexAttention path (``config.attention="flex"``, or ``auto`` on CUDA,
+    ``is_flex_path``)
     packs the queries (``packed_flex_attention`` with the config's kernel options,
     query buckets and merge; ``layouts[j]`` from ``layout.plan_steps`` when given,
     else built per step). Otherwise the queries are placed in zero
@@ -97,7 +106,7 @@ def row_attention(config: TTTConfig, attend, features: Features, valid_BC: torch
     B, C = valid_BC.shape
     packed = attend is None and features.positions is not None  # one rank: documents bound the keys
     starts = document_starts(features.positions[:, :C]) if packed else None
-    if is_flex_path(config.attention, attend, features):
+    if is_flex_path(config.attention, attend, features, config.draft.d):
         keys, lengths = packed_keys(k0, v0), valid_BC.sum(1)
         every = torch.arange(B * C, device=k0.device)
         options = dict(kernel_options=config.flex_kernel_options, query_buckets=config.query_buckets,

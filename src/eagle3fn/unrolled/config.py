@@ -77,7 +77,8 @@ class TTTConfig:
     compiled FlexAttention of the packed query rows over the step-0 keys with a
     block-sparse causal mask, the diagonal keys merged by log-sum-exp
     (``packed_flex_attention``; the GPU path, no backward on CPU). ``auto``: flex on
-    CUDA, else eager."""
+    CUDA for heads of at least 16 (inductor's FlexAttention kernels need that), else
+    eager."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Step weights, normalisation and objective kind."""
     loss_impl: LossImpl = "auto"

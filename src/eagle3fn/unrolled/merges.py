@@ -16,9 +16,14 @@ from eagle3fn.kernels import merge as merge_kernel
 
 
 def use_merge_kernel(q_NhD: torch.Tensor) -> bool:
-    """Whether ``merge_diagonal`` runs the Triton kernel for these queries."""
+    """Whether ``merge_diagonal`` runs the Triton kernel for these queries: CUDA
+    (bf16/fp16/fp32), outside ``torch.func`` transforms and outside a graph being
+    compiled (the one-graph step, ``train.onegraph``: there the PyTorch twin is traced and
+    inductor fuses it; dynamo cannot trace ``is_functorch_wrapped_tensor`` and would
+    break the graph on it, so it is asked last)."""
     return (q_NhD.is_cuda
             and q_NhD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not torch.compiler.is_compiling()
             and not torch._C._functorch.is_functorch_wrapped_tensor(q_NhD))
 
 

@@ -279,7 +279,7 @@ def prepare_batch(features: Features, rowmap: RowMap, config: TTTConfig,
     # The steps' index maths first, on the host: its one download waits for nothing but
     # the row map, not for the teacher.
     plan = plan_steps(rowmap, config.trim, features, is_flex_path(
-        config.attention, collectives.attend if collectives is not None else None, features),
+        config.attention, collectives.attend if collectives is not None else None, features, config.draft.d),
         config.query_buckets)
     supervised_flat = None
     if config.trim == "none":
