@@ -112,8 +112,13 @@ state keeps AdamW's names, so a run may resume with the flag on or off. Its back
 keeps the fused head's chunk logits instead of recomputing them (more memory than the
 eager step; `REMAT` in `onegraph.py` says why). It needs packed
 rows, one process, `--grad-accum 1` and `--trim loss` or `--trim none`, and refuses
-anything else with the fix. Off by default until measured on the GPU; compare it there
-with `benchmarks/train.py --variants compile-step+trim=loss`.
+anything else with the fix. Off by default: on CUDA it is not yet shown to work at real
+shapes. Its first GPU runs found three CUDA-only faults: a second compile inside the
+graph on the FlexAttention path (SmolLM2, fixed), a graph break in the diagonal merge's
+kernel choice (fixed, not yet rerun there), and at 8B shapes on one H200 inductor's
+"Unexpected fake buffer _tensor_constant0" after those breaks (open;
+[record](../bench/train-8b-offline-compile-step-h200/logs.txt)). Compare it there with
+`benchmarks/train.py --variants compile-step --modes loss --packs True`.
 
 ## `eagle3fn eval` (`eagle3fn.cli.run.EvalArgs`)
 
