@@ -47,3 +47,17 @@ def no_gpu():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heaviest test files first, the rest after in their usual order: pytest-xdist's
+    ``--dist loadfile`` hands whole files to the workers in collection order, so a heavy
+    file collected last keeps one core busy while the other idles (the tail seen on CI's
+    2 cores). ``file_costs.json`` holds each file's measured seconds (the sum of its
+    ``--durations=0`` lines on a 2-core machine; refresh it after large changes); files
+    not in it count 0. The order of the tests inside a file is kept (module fixtures)."""
+    import json
+    import pathlib
+
+    costs = json.loads((pathlib.Path(__file__).parent / "file_costs.json").read_text())
+    items.sort(key=lambda item: -costs.get(item.path.name, 0.0))  # stable: ties keep their order
