@@ -462,7 +462,8 @@ def test_step_from_host_masks_never_waits_for_the_gpu(packed_batches, trim):
 
 def test_compiled_step_follows_the_bf16_rule_on_cuda(tmp_path, monkeypatch):
     """``--compile-step`` on CUDA (inductor, the Triton soft cross-entropy inside the one
-    graph): on the tiny target's packed rows, the first step's loss, gradient norm and
+    graph; the tiny draft's 8-wide heads attend eagerly, ``FLEX_MIN_HEAD_DIM``): on the
+    tiny target's packed rows, the first step's loss, gradient norm and
     per-position KL of the compiled bf16 step (T) lie as close to the eager fp32 step
     (G) as the eager bf16 step (F) does: ``|T - G| <= 1.5 |F - G| + 1e-3 |G|``, and the
     draft's parameters after four steps likewise. Control: the compiled step with one
