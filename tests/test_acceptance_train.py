@@ -137,29 +137,45 @@ def test_config_errors(workdir, tmp_path, kw, needle):  # noqa: F811
 
 
 def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    """The demo's closing table: each draft's tokens/s and speedup, the target alone, the
-    acceptance length at every evaluation with the best step, and the --best export."""
+    """The demo's closing table: each draft's tokens/s and speedup on its path, the target
+    alone on both paths, the acceptance length at every evaluation with the best step, the
+    --best export, and a verdict against the target alone's fastest path (control: the
+    draft's own path's ratio, 0.75x, is not the verdict's)."""
     import eagle3fn.cli.run as cli_run
 
     out = tmp_path / "run"
     scripted(monkeypatch, [1.5, 2.5, 2.0])
     train(config(workdir, out, eval_holdout=2, eval_every=1, max_steps=3), log=lambda s: None)
-    fake = dict(tokens=8, acceptance_length=1.25, simulated_tau=1.5, tokens_per_s=30.0, speedup=0.75,
-                target_tokens_per_s=40.0, n_prompts=2, held_out=True)
-    monkeypatch.setattr(cli_run, "evaluate", lambda args: {**fake, "step": 0 if args.untrained else 3})
+    fake = dict(tokens=8, acceptance_length=1.25, simulated_tau=1.5, n_prompts=2, held_out=True)
+    speeds = {"graph": (30.0, 40.0), "dynamic": (28.0, 42.0)}  # (with the draft, target alone)
+    asked = []
+
+    def evaluate(args):
+        asked.append((args.impl, args.untrained))
+        draft, alone = speeds[args.impl]
+        return {**fake, "tokens_per_s": draft, "target_tokens_per_s": alone, "speedup": draft / alone,
+                "impl": args.impl, "step": 0 if args.untrained else 3}
+
+    monkeypatch.setattr(cli_run, "evaluate", evaluate)
     capsys.readouterr()
     cli_run.demo_report(str(out), num_prompts=2, max_new_tokens=4, untrained_new_tokens=4)
+    assert asked == [("graph", True), ("graph", False), ("dynamic", False)]
     lines = capsys.readouterr().out.splitlines()
-    trained = next(line for line in lines if line.strip().startswith("trained (step 3)"))
-    assert trained.split()[3:8] == ["8", "1.25", "1.50", "30.0", "0.75x"]
-    assert next(line for line in lines if line.strip().startswith("target alone")).split()[2:5] == \
-        ["1.00", "40.0", "1.00x"]
+    trained = next(line for line in lines if line.strip().startswith("trained (step 3), graph"))
+    assert trained.split()[4:9] == ["8", "1.25", "1.50", "30.0", "0.75x"]
+    assert "--impl graph" in trained
+    other = next(line for line in lines if line.strip().startswith("trained (step 3), dynamic"))
+    assert other.split()[4:9] == ["8", "1.25", "1.50", "28.0", "0.67x"]
+    for impl, alone in (("graph", "40.0"), ("dynamic", "42.0")):
+        assert next(line for line in lines if line.strip().startswith(f"target alone, {impl}")).split()[3:6] == \
+            ["1.00", alone, "1.00x"]
     during = next(line for line in lines if line.startswith("acceptance length during training"))
     assert "step 1: 1.50, step 2: 2.50, step 3: 2.00; best: step 2" in during
     assert any(f"eagle3fn export --run {out} --out {out / 'draft-best'} --best" in line for line in lines)
     verdict = next(i for i, line in enumerate(lines) if line.startswith("result: "))
-    assert lines[verdict].startswith("result: with the trained draft, decoding on this machine is SLOWER than the "
-                                     "target alone (0.75x, acceptance length 1.25)")
+    assert lines[verdict].startswith(
+        "result: with the trained draft, decoding on this machine (graph path; the target alone on its fastest, "
+        f"dynamic) is SLOWER than the target alone ({30 / 42:.2f}x, acceptance length 1.25)")
     from importlib import resources
     shipped = json.loads((resources.files("eagle3fn.demo") / "gpu_result.json").read_text())
     assert f"on {shipped['device']}, {shipped['target']} trained on {shipped['conversations']}" in lines[verdict + 1]

@@ -335,7 +335,7 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     import shlex
 
     from eagle3fn.cli.main import main
-    from eagle3fn.cli.run import DEMO_BATCH, DEMO_K, demo_report
+    from eagle3fn.cli.run import DEMO_BATCH, DEMO_IMPL, DEMO_K, demo_report
 
     out = tmp_path / "run"
     train(config(workdir, out, eval_holdout=2, max_steps=3), log=lambda s: None)
@@ -345,17 +345,17 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     lines = printed.splitlines()
     untrained = next(line for line in lines if line.strip().startswith("untrained (step 0)"))
     trained = next(line for line in lines if line.strip().startswith("trained (step 3)"))
-    assert untrained.split()[3] == "6" and trained.split()[3] == "10"  # new tokens, 2 prompts
+    assert untrained.split()[4] == "6" and trained.split()[4] == "10"  # new tokens, 2 prompts
     assert "speculative decoding on 2 held-out prompts" in printed
     assert "the untrained draft generates 3 tokens per prompt, not 5" in printed
     assert "held-out training objective at step 3" in printed
     assert f"checkpoint  {out / CHECKPOINT}" in printed and f"plot        {out / 'loss.png'}" in printed
     rerun = untrained[untrained.index("eagle3fn eval"):]  # the command column
     assert rerun == (f"eagle3fn eval --run {out} --num-prompts 2 --num-draft-tokens {DEMO_K} --batch-size {DEMO_BATCH} "
-                     "--max-new-tokens 3 --untrained")
+                     f"--max-new-tokens 3 --impl {DEMO_IMPL} --untrained")
     main(shlex.split(rerun)[1:])
     again = capsys.readouterr().out
-    assert f"acceptance length {float(untrained.split()[4]):.2f}" in again  # reproduced
+    assert f"acceptance length {float(untrained.split()[5]):.2f}" in again  # reproduced
     export = next(line for line in lines if line.startswith("export      ")).split("      ", 1)[1]
     assert export == f"eagle3fn export --run {out} --out {out / 'draft'}"
     main(shlex.split(export)[1:])
