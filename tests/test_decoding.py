@@ -321,3 +321,48 @@ def test_compiled_cpu_step_equals_model_generate_and_follows_the_weights(monkeyp
     out = decode_all(model, prompts, cfg)
     assert sum(out[i][0] != ref for i, ref in enumerate(refs)) >= 3
     torch._dynamo.reset()  # no compiled step with the bug outlives the test
+
+
+def test_compiled_cache_write_is_in_place(monkeypatch):
+    """Inductor writes the new columns into the cache buffer itself: no generated kernel
+    walks all B*g*M*d elements of a layer's buffer (the copy of the whole cache, and the
+    copy back, that a ``scatter_`` on a graph input became, every layer at every decode
+    step). Control: the scatter version of ``update`` does produce that copy. The written
+    columns equal the eager write either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    B, M = 8, 256
+    g, d = 2, 8
+
+    def scatter_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        index = (self.lengths[:, None] + self._steps[:key_states.shape[2]])[:, None, :, None].expand_as(key_states)
+        layer.keys.scatter_(2, index, key_states)
+        layer.values.scatter_(2, index, value_states)
+        return layer.keys, layer.values
+
+    def kernels_over_the_whole_buffer() -> tuple[int, torch.Tensor]:
+        torch._dynamo.reset()
+        cache = StaticKVCache(config, B, M, dtype=torch.float32, device="cpu")
+        cache.advance(torch.arange(B) * 7)
+        k, v = torch.randn(2, B, g, 2, d).unbind(0)
+
+        def write(k, v):
+            keys, values = cache.update(k, v, 0)
+            return keys[:, :, 0].sum() + values[:, :, 0].sum()
+
+        _, code = run_and_get_code(torch.compile(write, backend="inductor", dynamic=False), k, v)
+        eager = StaticKVCache(config, B, M, dtype=torch.float32, device="cpu")
+        eager.advance(torch.arange(B) * 7)
+        eager.update(k, v, 0)
+        assert torch.equal(cache.layers[0].keys, eager.layers[0].keys)
+        assert torch.equal(cache.layers[0].values, eager.layers[0].values)
+        return sum(c.count(f"<static_cast<int64_t>({B * g * M * d}L)") for c in code), cache.layers[0].keys
+
+    whole, _ = kernels_over_the_whole_buffer()
+    assert whole == 0
+    monkeypatch.setattr(StaticKVCache, "update", scatter_update)
+    whole, _ = kernels_over_the_whole_buffer()
+    assert whole > 0  # the control: a scatter_ copies the buffer

@@ -140,11 +140,14 @@ class StaticKVCache(Cache):
         layer ``layer_idx``; return its buffers' first W columns ``[B, g, W, d]`` (the mask
         hides the columns a query may not read)."""
         layer = self.layers[layer_idx]
-        B, g, q, d = key_states.shape
+        B, q = key_states.shape[0], key_states.shape[2]
         columns_Bq = self.lengths[:, None] + self._steps[:q]
-        index = columns_Bq[:, None, :, None].expand(B, g, q, d)
-        layer.keys.scatter_(2, index, key_states.to(layer.keys.dtype))
-        layer.values.scatter_(2, index, value_states.to(layer.values.dtype))
+        rows_B1 = self._columns_M[:B, None] if B <= self.max_len else torch.arange(B, device=self.device)[:, None]
+        # An index_put (advanced indices around the kv-head slice: values [B, q, g, d]),
+        # not a scatter: inductor writes it into the buffer in place, where a scatter on a
+        # graph input became a copy of the whole cache and a copy back, every layer.
+        layer.keys[rows_B1, :, columns_Bq] = key_states.to(layer.keys.dtype).transpose(1, 2)
+        layer.values[rows_B1, :, columns_Bq] = value_states.to(layer.values.dtype).transpose(1, 2)
         return layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
