@@ -13,7 +13,7 @@ import torch
 import tyro
 
 import eagle3fn
-from eagle3fn.cli import data, run, synth
+from eagle3fn.cli import data, demo, run, synth
 from eagle3fn.errors import Eagle3fnError
 from eagle3fn.io.stop import Stopped
 from eagle3fn.check import compare_ttt, compare_with_reference, random_case
@@ -161,7 +161,7 @@ def train(args: TrainConfig) -> None:
     run_training(args)
     if args.embedded_default:  # the demo ends with a real speculative-decoding check
         # KV-cached decoding makes both drafts cheap enough for the same 64 tokens.
-        run.demo_report(args.out_dir, num_prompts=4, max_new_tokens=64, untrained_new_tokens=64)
+        demo.demo_report(args.out_dir, num_prompts=4, max_new_tokens=64, untrained_new_tokens=64)
 
 
 COMMANDS = {"train": (TrainConfig, train), "rowmap": (RowmapArgs, rowmap), "verify": (VerifyArgs, verify),

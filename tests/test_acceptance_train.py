@@ -141,6 +141,7 @@ def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch
     alone on both paths, the acceptance length at every evaluation with the best step, the
     --best export, and a verdict against the target alone's fastest path (control: the
     draft's own path's ratio, 0.75x, is not the verdict's)."""
+    import eagle3fn.cli.demo as cli_demo
     import eagle3fn.cli.run as cli_run
 
     out = tmp_path / "run"
@@ -158,7 +159,7 @@ def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch
 
     monkeypatch.setattr(cli_run, "evaluate", evaluate)
     capsys.readouterr()
-    cli_run.demo_report(str(out), num_prompts=2, max_new_tokens=4, untrained_new_tokens=4)
+    cli_demo.demo_report(str(out), num_prompts=2, max_new_tokens=4, untrained_new_tokens=4)
     assert asked == [("graph", True), ("graph", False), ("dynamic", False)]
     lines = capsys.readouterr().out.splitlines()
     trained = next(line for line in lines if line.strip().startswith("trained (step 3), graph"))
@@ -186,7 +187,7 @@ def test_demo_report_shows_acceptance_and_speedup(workdir, tmp_path, monkeypatch
 def test_demo_verdict_says_faster_only_above_one():
     """The demo's last line names the measured speedup plainly: 'SLOWER' at or below
     1.0x (control: 1.0x exactly is not a gain), the factor above it."""
-    from eagle3fn.cli.run import demo_verdict
+    from eagle3fn.cli.demo import demo_verdict
 
     base = dict(acceptance_length=1.9, n_prompts=4)
     assert "is 1.12x the target alone (acceptance length 1.90)" in demo_verdict({**base, "speedup": 1.12})

@@ -335,7 +335,7 @@ def test_demo_report_table_and_its_commands_run(workdir, tmp_path, capsys):
     import shlex
 
     from eagle3fn.cli.main import main
-    from eagle3fn.cli.run import DEMO_BATCH, DEMO_IMPL, DEMO_K, demo_report
+    from eagle3fn.cli.demo import DEMO_BATCH, DEMO_IMPL, DEMO_K, demo_report
 
     out = tmp_path / "run"
     train(config(workdir, out, eval_holdout=2, max_steps=3), log=lambda s: None)
