@@ -5,7 +5,7 @@ Legend: B rows (slots), L decoder layers, g kv heads, d head dim, M cache column
 
 Row b holds the keys and values of its positions ``0..n_b - 1`` in columns ``0..n_b - 1``
 (``lengths = n [B]``, int64 on the device). A forward of q tokens per row writes them at
-columns ``n_b .. n_b + q - 1`` (a ``scatter_`` with tensor indices: no host sync, the same
+columns ``n_b .. n_b + q - 1`` (an ``index_put_`` with tensor indices: no host sync, the same
 kernels whatever the lengths, so a decode step can be recorded once as a CUDA graph), at
 positions ``position_ids [B, q] = n_b + i``, under the explicit additive mask
 ``[B, 1, q, M]``: query i of row b sees column c iff ``c <= n_b + i``. The forward does not
