@@ -39,7 +39,7 @@ def demo_report(out_dir: str, *, num_prompts: int, max_new_tokens: int,
             f"--batch-size {DEMO_BATCH}")
     setting = dict(run=str(out), num_prompts=num_prompts, num_draft_tokens=(DEMO_K,), batch_size=(DEMO_BATCH,))
     untrained = run.evaluate(run.EvalArgs(**setting, max_new_tokens=untrained_new_tokens, untrained=True,
-                                  baseline=untrained_new_tokens != max_new_tokens, impl=DEMO_IMPL))
+                                          baseline=untrained_new_tokens != max_new_tokens, impl=DEMO_IMPL))
     trained = run.evaluate(run.EvalArgs(**setting, max_new_tokens=max_new_tokens, impl=DEMO_IMPL))
     other = run.evaluate(run.EvalArgs(**setting, max_new_tokens=max_new_tokens, impl=DEMO_OTHER_IMPL))
     if "speedup" not in untrained:  # the same prompts and settings: one target-alone timing serves both

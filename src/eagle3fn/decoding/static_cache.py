@@ -112,6 +112,7 @@ class StaticKVCache(Cache):
         self.max_len, self.batch_size_, self.dtype = max_len, batch_size, dtype
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._columns_M = torch.arange(max_len, device=device)
+        self._rows_B1 = torch.arange(batch_size, device=device)[:, None]
         self.window = max_len
         self._steps = torch.arange(max_len, device=device)
 
@@ -140,14 +141,12 @@ class StaticKVCache(Cache):
         layer ``layer_idx``; return its buffers' first W columns ``[B, g, W, d]`` (the mask
         hides the columns a query may not read)."""
         layer = self.layers[layer_idx]
-        B, q = key_states.shape[0], key_states.shape[2]
-        columns_Bq = self.lengths[:, None] + self._steps[:q]
-        rows_B1 = self._columns_M[:B, None] if B <= self.max_len else torch.arange(B, device=self.device)[:, None]
+        columns_Bq = self.lengths[:, None] + self._steps[:key_states.shape[2]]
         # An index_put (advanced indices around the kv-head slice: values [B, q, g, d]),
         # not a scatter: inductor writes it into the buffer in place, where a scatter on a
         # graph input became a copy of the whole cache and a copy back, every layer.
-        layer.keys[rows_B1, :, columns_Bq] = key_states.to(layer.keys.dtype).transpose(1, 2)
-        layer.values[rows_B1, :, columns_Bq] = value_states.to(layer.values.dtype).transpose(1, 2)
+        layer.keys[self._rows_B1, :, columns_Bq] = key_states.to(layer.keys.dtype).transpose(1, 2)
+        layer.values[self._rows_B1, :, columns_Bq] = value_states.to(layer.values.dtype).transpose(1, 2)
         return layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
