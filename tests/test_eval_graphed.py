@@ -187,6 +187,33 @@ def test_graph_mode_protocol(monkeypatch):
     assert _agreeing_run("graph", monkeypatch)[:2] != want
 
 
+def test_graph_mode_compiles_the_drafts_elementwise_chains(monkeypatch):
+    """In graph mode the draft's elementwise chains (norms, RoPE, SwiGLU) run compiled
+    (``Draft.fused``; here dynamo's aot_eager on the CPU, the fp64 maths unchanged):
+    the same tokens and accepted counts as the eager path, and every chain the chain
+    and update steps call went through the compiler. Control: ``FUSED_DRAFT`` off
+    compiles none of them."""
+    import eagle3fn.draft as draft_module
+    from eagle3fn.compiled import compile_on_cpu
+
+    want = _agreeing_run("graph", monkeypatch)[:2]
+    monkeypatch.setattr(graphed, "_use_graphs", lambda device, draft_device: True)
+    monkeypatch.setattr(graphed, "Graphed", Replayed)
+    monkeypatch.setattr(static_draft, "Graphed", Replayed)
+    compiled = []
+    real = draft_module.compiler
+    monkeypatch.setattr(draft_module, "compiler", lambda fn, backend: compiled.append(fn.__name__) or real(fn, backend))
+    for name in ("norm_pair", "rms_norm", "apply_rope", "apply_rope_pair", "swiglu", "_cos_sin"):
+        monkeypatch.setattr(draft_module, name, draft_module.fused_on_cuda(getattr(draft_module, name).eager))
+    with compile_on_cpu("aot_eager"):
+        assert _agreeing_run("graph", monkeypatch)[:2] == want
+        assert {"norm_pair", "rms_norm", "apply_rope", "apply_rope_pair", "swiglu", "_cos_sin"} <= set(compiled)
+        compiled.clear()
+        monkeypatch.setattr(graphed, "FUSED_DRAFT", False)
+        assert _agreeing_run("graph", monkeypatch)[:2] == want
+        assert compiled == []
+
+
 def test_target_alone_equals_target_generate(target, references):
     prompts = [torch.tensor(p) for p in PROMPTS]
     cfg = SpecConfig(max_new_tokens=NEW)

@@ -19,16 +19,20 @@ from eagle3fn.draft import (DraftConfig, head, keys_values, layer_input, layer_o
 
 class Draft:
     """The draft's parameters (``init_params`` names, not copied) and config, run by the
-    draft's layer functions (``eagle3fn.draft``) with the elementwise chains eager (the
-    batch shapes change as rows finish; compiling would recompile)."""
+    draft's layer functions (``eagle3fn.draft``). ``fused``: their elementwise chains
+    (RMSNorm, RoPE, SwiGLU, the layer input's norm pair) each one compiled kernel on CUDA
+    (``draft.fused_on_cuda``, shape-dynamic; the same maths, rounding may differ in the
+    last bit), set by the graph path, where a draft step is otherwise ~65 small kernels
+    and about 40 of them are these chains; off (eager), every path keeps its kernels as
+    they were."""
 
-    def __init__(self, params: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
-        self.params, self.cfg = params, cfg
+    def __init__(self, params: dict[str, torch.Tensor], cfg: DraftConfig, fused: bool = False) -> None:
+        self.params, self.cfg, self.fused = params, cfg, fused
         self.dtype, self.device = params["fc.weight"].dtype, params["fc.weight"].device
 
     def rope(self, pos_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, N, d]`` at positions ``pos [B, N]`` in the draft's dtype."""
-        return rope_cos_sin(pos_BN, self.cfg.rope, self.cfg.d, self.dtype, False)
+        return rope_cos_sin(pos_BN, self.cfg.rope, self.cfg.d, self.dtype, self.fused)
 
     def context(self, aux_BN3: torch.Tensor, next_BN: torch.Tensor, pos_BN: torch.Tensor,
                 keep_BN: torch.Tensor):
@@ -36,10 +40,10 @@ class Draft:
         input ``u [B, N, 2H]`` with the next tokens, and the step-0 keys and values
         ``[B, g, N, d]`` (zero where ``keep`` is False, so padding never carries NaN)."""
         p, cfg = self.params, self.cfg
-        g = project(p, aux_BN3.to(self.dtype), cfg, False)
-        u = layer_input(p, next_BN, g, cfg, False)
+        g = project(p, aux_BN3.to(self.dtype), cfg, self.fused)
+        u = layer_input(p, next_BN, g, cfg, self.fused)
         cos, sin = self.rope(pos_BN)
-        keys, values = keys_values(p, u, cos[:, :, None], sin[:, :, None], cfg, False)  # [B, N, g, d]
+        keys, values = keys_values(p, u, cos[:, :, None], sin[:, :, None], cfg, self.fused)  # [B, N, g, d]
         zero = ~keep_BN[:, None, :, None]
         return g, u, keys.transpose(1, 2).masked_fill(zero, 0), values.transpose(1, 2).masked_fill(zero, 0)
 
@@ -59,15 +63,15 @@ class Draft:
         for j in range(k):
             rope = cos[:, j:j + 1], sin[:, j:j + 1]  # position pos + j, [B, 1, d]
             if j:
-                u = layer_input(p, tokens[-1], g, cfg, False)
-                q, key, value = qkv(p, u, *rope, cfg, False)  # [B, h, d], [B, g, d]
+                u = layer_input(p, tokens[-1], g, cfg, self.fused)
+                q, key, value = qkv(p, u, *rope, cfg, self.fused)  # [B, h, d], [B, g, d]
                 own_k.append(key[:, :, None])
                 own_v.append(value[:, :, None])
             else:
-                q = queries(p, u, *rope, cfg, False)
+                q = queries(p, u, *rope, cfg, self.fused)
             out = layer_output(p, cached_attend(q[:, :, None], keys_BgSd, values_BgSd, hidden, own_k, own_v),
-                               g, cfg, False)
-            token, q_V = choose(head(p, out, cfg, False))
+                               g, cfg, self.fused)
+            token, q_V = choose(head(p, out, cfg, self.fused))
             tokens.append(token)
             probs.append(q_V)
             g = out  # the next step's feature: this step's pre-norm output

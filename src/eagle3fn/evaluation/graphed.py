@@ -23,7 +23,8 @@ The draft side is ``static_draft.StaticDraft``, fed exactly as ``impl="static"``
 (aux, next tokens, positions, accepted counts and kept slots of the K verified slots).
 On CUDA with greedy decoding chain, verify and update are each one CUDA-graph replay
 (``decoding.Graphed``), recorded once per batch (the draft's again when its cache
-doubles). Sampling replays the verifying forward only; its acceptance and the draft's
+doubles); inside them the draft's elementwise chains are compiled kernels
+(``FUSED_DRAFT``). Sampling replays the verifying forward only; its acceptance and the draft's
 draws run on the host. Elsewhere (the CPU) the same functions run eagerly.
 
 A row that ends (EOS, ``max_new_tokens``) stays in place: its length stops moving, its
@@ -56,6 +57,11 @@ from eagle3fn.evaluation.results import SpecResult, emit, results
 from eagle3fn.evaluation.rounds import live_positions, setup
 from eagle3fn.io.target import TargetModel
 
+
+FUSED_DRAFT = True
+"""On CUDA the draft's elementwise chains run as compiled kernels inside its graphs
+(``cached_draft.Draft.fused``): about 40 fewer kernels per draft step. A benchmark sets it
+False to measure what that buys."""
 
 PREFILL_TOKENS = GenerateConfig.prefill_tokens
 """Padded prompt tokens per prefill forward at most, on both sides (``decoding.generate``'s
@@ -218,6 +224,7 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
     slots = [p.numel() for p in prompts]  # valid draft slots of each row (compaction rule)
     choose = verify.draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
     graph = _use_graphs(device, draft.device)
+    draft.fused = graph and FUSED_DRAFT
 
     ids, valid, pos = kv.left_pad(prompts, device)
     with stage("prefill_s"):
