@@ -365,3 +365,59 @@ def test_compiled_cache_write_is_in_place(monkeypatch):
     monkeypatch.setattr(StaticKVCache, "update", scatter_update)
     whole = kernels_over_the_whole_buffer()
     assert whole > 0  # the control: a scatter_ copies the buffer
+
+
+def test_pooled_calls_reuse_one_recording_and_equal_fresh_ones(monkeypatch):
+    """``generate(pool=GraphPool())`` called batch after batch, the CUDA graph simulated
+    on the CPU (a warm-up run at recording, then replays): every answer equals the
+    reference, the step is recorded once for all calls of one shape (columns rounded up
+    to ``pool.COLUMN_ALIGN``), and without the pool once per call; a sampled call after
+    them records its own step and equals its unpooled self. Control: a pool that hands
+    out any entry whatever its key replays the greedy step for the sampled call."""
+    import eagle3fn.decoding.generator as generator
+    from eagle3fn.decoding import GraphPool, Graphed
+
+    recordings = []
+
+    class Replayed(Graphed):  # graph mode on the CPU: prepare runs fn once, then each call replays it
+        def __init__(self, fn, graph, device):
+            super().__init__(fn, True, device)
+
+        def prepare(self):
+            if self.due:
+                self.fn()
+                self.recorded = True
+                recordings.append(self)
+
+        def __call__(self):
+            self.prepare()
+            self.fn()
+
+    monkeypatch.setattr(generator, "Graphed", Replayed)
+    model, prompts, _ = greedy_case("llama", "sdpa")  # request 3 ends at an EOS mid-way
+    refs = [hf_generate(model, p, 12) for p in prompts]
+    groups = [[0, 1, 2], [3, 4], [5, 6], [6, 0, 3]]  # three slots: the second call refills one
+    cfg = GenerateConfig(batch_size=2, max_new_tokens=12)
+
+    def run(pool):
+        out = []
+        for group in groups:
+            got = decode_all(model, [prompts[i] for i in group], cfg, limits=None, pool=pool)
+            out.append([got[j][0] for j in range(len(group))])
+        return out
+
+    want = [[refs[i] for i in group] for group in groups]
+    assert run(None) == want and len(recordings) == len(groups)
+    recordings.clear()
+    pool = GraphPool()
+    assert run(pool) == want
+    assert len(recordings) == 1 and (pool.hits, pool.misses) == (len(groups) - 1, 1)
+    sampled = dataclasses.replace(cfg, temperature=1.0)
+    alone = decode_all(model, prompts[:2], sampled, limits=None)
+    recordings.clear()
+    assert decode_all(model, prompts[:2], sampled, limits=None, pool=pool) == alone
+    assert len(recordings) == 1 and len(pool.entries) == 2
+    monkeypatch.setattr(GraphPool, "take", lambda self, key: self.entries.popitem()[1] if self.entries else None)
+    pool = GraphPool()
+    run(pool)
+    assert decode_all(model, prompts[:2], sampled, limits=None, pool=pool) != alone

@@ -214,6 +214,65 @@ def test_graph_mode_compiles_the_drafts_elementwise_chains(monkeypatch):
         assert compiled == []
 
 
+def test_pooled_batches_reuse_the_recordings(monkeypatch):
+    """``generate(impl="graph", pool=GraphPool())`` batch after batch (graph mode
+    simulated; the draft's cache compacted every round; row 1 ends at an EOS only it
+    emits, so its batch's ``live`` flags change mid-call): tokens and accepted counts
+    equal the unpooled calls', and the verifying round is recorded once instead of once
+    per batch; no slot past a new batch's prompts is visible to the draft (this draft's
+    attention adds nothing, so stale slots could not change its counts). Controls: a
+    pooled verifier that keeps the last batch's ``live`` flags changes the output; a
+    pooled draft whose earlier slots stay valid leaves them visible."""
+    from eagle3fn.decoding import GraphPool
+
+    target, params, cfg, d2t = agreeing_pair()
+    monkeypatch.setattr(kv, "COMPACT_SLACK", -10**6)
+    new, k = 24, 3
+    eos = types.SimpleNamespace(eos_token_id=greedy(target, PROMPTS[1], new)[15])
+    spec = SpecConfig(num_draft_tokens=k, max_new_tokens=new)
+    monkeypatch.setattr(graphed, "_use_graphs", lambda device, draft_device: True)
+    monkeypatch.setattr(graphed, "Graphed", Replayed)
+    monkeypatch.setattr(static_draft, "Graphed", Replayed)
+    monkeypatch.setattr(Replayed, "recorded_fns", [])
+    batches = [[0, 1], [2, 3], [1, 0]]
+
+    def run(pool):
+        return [(r.tokens, r.accepted_per_round) for b in batches
+                for r in generate(target, eos, params, cfg, d2t, [torch.tensor(PROMPTS[i]) for i in b], spec,
+                                  impl="graph", pool=pool)]
+
+    visible = []  # per prefill: any slot after the prompts still valid
+    real_reset, real_prefill = graphed._Verifier.reset, static_draft.StaticDraft.prefill
+
+    def watched(prefill):
+        def call(self, g, u, pos, keys, values, valid):
+            prefill(self, g, u, pos, keys, values, valid)
+            visible.append(bool(self.valid[:, valid.shape[1]:].any()))
+        return call
+
+    monkeypatch.setattr(static_draft.StaticDraft, "prefill", watched(real_prefill))
+    want = run(None)
+    assert Replayed.recorded_fns.count("_greedy_round") == len(batches)
+    Replayed.recorded_fns.clear()
+    pool = GraphPool()
+    assert run(pool) == want
+    assert Replayed.recorded_fns.count("_greedy_round") == 1 and pool.hits == len(batches) - 1
+    assert len({n for _, counts in want for n in counts}) >= 3 and not any(visible)
+    monkeypatch.setattr(graphed._Verifier, "reset", lambda self, token: self.token.copy_(token))
+    assert run(GraphPool()) != want
+    monkeypatch.setattr(graphed._Verifier, "reset", real_reset)
+
+    def stale_prefill(self, g, u, pos, keys, values, valid):
+        kept = self.valid.clone()
+        real_prefill(self, g, u, pos, keys, values, valid)
+        self.valid[:, valid.shape[1]:] = kept[:, valid.shape[1]:]
+
+    monkeypatch.setattr(static_draft.StaticDraft, "prefill", watched(stale_prefill))
+    visible.clear()
+    run(GraphPool())
+    assert visible == [False, True, True]
+
+
 def test_target_alone_equals_target_generate(target, references):
     prompts = [torch.tensor(p) for p in PROMPTS]
     cfg = SpecConfig(max_new_tokens=NEW)

@@ -28,14 +28,16 @@ Modules, in the order data flows:
     forward       ``cached_forward`` (decode step, prefill, verification with aux features)
     sampling      ``pick_tokens`` (greedy / temperature / top-p from one uniform per row)
     graphs        ``Graphed``: a step recorded once as a CUDA graph, replayed
+    pool          ``GraphPool``: recorded states kept across calls (record once per shape)
     generator     ``generate``: slots, refill, stop rules, counters
 """
 
 from eagle3fn.decoding.forward import cached_forward, prefill
 from eagle3fn.decoding.generator import Counters, Finished, GenerateConfig, eos_token_ids, generate
 from eagle3fn.decoding.graphs import Graphed
+from eagle3fn.decoding.pool import GraphPool
 from eagle3fn.decoding.sampling import pick_tokens, request_uniforms
 from eagle3fn.decoding.static_cache import StaticKVCache, cache_bytes
 
-__all__ = ["Counters", "Finished", "GenerateConfig", "Graphed", "StaticKVCache", "cache_bytes", "cached_forward",
+__all__ = ["Counters", "Finished", "GenerateConfig", "GraphPool", "Graphed", "StaticKVCache", "cache_bytes", "cached_forward",
            "eos_token_ids", "generate", "pick_tokens", "prefill", "request_uniforms"]

@@ -42,6 +42,7 @@ from torch import nn
 
 from eagle3fn.decoding.forward import cache_kwarg, cached_forward, prefill
 from eagle3fn.decoding.graphs import Graphed
+from eagle3fn.decoding.pool import GraphPool, aligned
 from eagle3fn.decoding.sampling import pick_tokens, request_uniforms
 from eagle3fn.decoding.static_cache import StaticKVCache
 
@@ -238,9 +239,11 @@ class _Slots:
             self.bound[b] = len(p)
 
 
-def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateConfig, vocab: int) -> int:
+def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateConfig, vocab: int,
+           pool: GraphPool | None = None) -> int:
     """ValueError for bad requests before any work; returns M (longest prompt + largest
-    limit, rounded up to ``COLUMN_ALIGN`` within ``cfg.max_len``)."""
+    limit, rounded up to ``COLUMN_ALIGN``, or ``pool.COLUMN_ALIGN`` when pooled, within
+    ``cfg.max_len``)."""
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every request needs at least one token")
@@ -255,14 +258,14 @@ def _check(prompts: Sequence[Sequence[int]], limits: list[int], cfg: GenerateCon
         raise ValueError(f"the longest prompt plus max_new_tokens needs {M} cache columns but max_len={cfg.max_len}; "
                          "raise max_len or shorten the prompts")
     align = COMPILED_COLUMN_ALIGN if cfg.compile else COLUMN_ALIGN
-    aligned = -(-M // align) * align
-    return aligned if cfg.max_len is None or aligned <= cfg.max_len else M
+    columns = aligned(M, pool, align)
+    return columns if cfg.max_len is None or columns <= cfg.max_len else M
 
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateConfig, *, tokenizer=None,
              max_new_tokens: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-             counters: Counters | None = None) -> Iterator[Finished]:
+             counters: Counters | None = None, pool: GraphPool | None = None) -> Iterator[Finished]:
     """Decode every prompt; yield each request's ``Finished`` as soon as it ends (in
     finishing order, not prompt order).
 
@@ -279,6 +282,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
         max_new_tokens: N per-request limits (None: ``cfg.max_new_tokens`` for all).
         seeds: N per-request seeds (None: ``cfg.seed + i``).
         counters: a ``Counters`` to fill as decoding goes.
+        pool: a ``decoding.GraphPool``: the slot state and its recorded step are taken
+            from it when an earlier call left one of this shape (columns rounded up to
+            ``pool.COLUMN_ALIGN``) and put back when every request has been yielded.
     """
     N = len(prompts)
     limits = [cfg.max_new_tokens] * N if max_new_tokens is None else [int(n) for n in max_new_tokens]
@@ -287,18 +293,27 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
     if N == 0:
         return
     weight = model.get_output_embeddings().weight
-    M = _check(prompts, limits, cfg, weight.shape[0])
+    M = _check(prompts, limits, cfg, weight.shape[0], pool)
     T = max(limits)
     eos = cfg.eos_token_ids if cfg.eos_token_ids is not None else eos_token_ids(model, tokenizer)
     counters = Counters() if counters is None else counters
     t0 = time.perf_counter()
-    slots = _Slots(model, min(cfg.batch_size, N), M, T, cfg, eos, weight.dtype, weight.device)
+    B = min(cfg.batch_size, N)
+    key = ("decode", id(model), B, M, T, cfg.temperature, cfg.top_p, cfg.attention, cfg.compile, cfg.graph,
+           tuple(eos), weight.dtype, str(weight.device))
+    # A pooled state is handed back only after every request ended: all its slots are
+    # done and free (``admit`` sets every field of a slot it fills).
+    slots = pool.take(key) if pool is not None else None
+    if slots is None:
+        slots = _Slots(model, B, M, T, cfg, eos, weight.dtype, weight.device)
     owner: list[int | None] = [None] * slots.token.shape[0]  # request decoded in each slot
     pending = deque(range(N))
     while True:
         free = [b for b, r in enumerate(owner) if r is None]
         _admit(slots, free, pending, owner, prompts, limits, seeds, cfg, counters)
         if all(r is None for r in owner):
+            if pool is not None:
+                pool.put(key, slots)
             break
         slots.record()
         slots.set_window(cfg.check_every)

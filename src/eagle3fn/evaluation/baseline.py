@@ -23,7 +23,7 @@ from eagle3fn.io.target import TargetModel
 
 @torch.no_grad()
 def target_generate(target: TargetModel, tokenizer_or_none, prompts: Sequence[torch.Tensor],
-                    cfg: SpecConfig, *, impl: str | None = None) -> list[list[int]]:
+                    cfg: SpecConfig, *, impl: str | None = None, pool=None) -> list[list[int]]:
     """The target alone, one token per cached forward, batched and stopped as
     ``generate`` (left padding, explicit positions, rows leaving when done): the new
     tokens of each prompt. Greedy, or sampling at ``cfg.temperature`` with prompt i's
@@ -31,11 +31,13 @@ def target_generate(target: TargetModel, tokenizer_or_none, prompts: Sequence[to
     same forward as ``generate`` without the aux hooks. ``impl="graph"``: on
     ``generate(impl="graph")``'s path instead (``graphed.target_generate_graphed``:
     a static cache, the decode step one CUDA-graph replay on CUDA); any other value or
-    None: transformers' ``DynamicCache`` as ``"static"`` and ``"dynamic"`` run it."""
+    None: transformers' ``DynamicCache`` as ``"static"`` and ``"dynamic"`` run it.
+    ``pool``: a ``decoding.GraphPool`` for ``impl="graph"`` (its decode step's state and
+    graph reused across calls); ignored otherwise."""
     from transformers import DynamicCache
 
     if impl == GRAPH:
-        return target_generate_graphed(target, tokenizer_or_none, prompts, cfg)
+        return target_generate_graphed(target, tokenizer_or_none, prompts, cfg, pool=pool)
     prompts = prompt_list(prompts)
     device = target.lm_head.weight.device
     eos = eos_ids(target, tokenizer_or_none)

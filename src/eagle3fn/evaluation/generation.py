@@ -49,7 +49,7 @@ def default_impl(target: TargetModel, draft_params: dict[str, torch.Tensor]) -> 
 def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor],
              draft_cfg: DraftConfig, d2t: torch.Tensor, prompts: Sequence[torch.Tensor],
              cfg: SpecConfig, *, impl: str | None = None,
-             stages: StageTimes | None = None) -> list[SpecResult]:
+             stages: StageTimes | None = None, pool=None) -> list[SpecResult]:
     """Speculative decoding of several prompts at once, the target and the draft on KV
     caches (``kv`` describes the slot layout): one ``SpecResult`` per prompt, each equal to
     ``twin.speculative_generate`` of that prompt alone.
@@ -80,6 +80,9 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
             CUDA, the draft as ``"static"``. All give the same tokens and accepted
             counts. None: ``default_impl``.
         stages: a ``StageTimes`` to fill (adds device syncs around every stage).
+        pool: a ``decoding.GraphPool`` (``impl="graph"``, greedy): the buffers and
+            recorded graphs of an earlier call of the same shapes are reused
+            (``graphed.generate_graphed``); other implementations ignore it.
     """
     prompts = prompt_list(prompts)
     check_inputs(target, draft_cfg, d2t)
@@ -89,8 +92,12 @@ def generate(target: TargetModel, tokenizer_or_none, draft_params: dict[str, tor
         raise ValueError(f"impl={impl!r} is not one of {IMPLS + (GRAPH,)}")
     stage = Stage(stages, target.lm_head.weight.device)
     t0 = time.perf_counter()
-    run = {GRAPH: generate_graphed, "static": generate_static, "dynamic": generate_dynamic}[impl]
-    results = run(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage)
+    if impl == GRAPH:
+        results = generate_graphed(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage,
+                                   pool=pool)
+    else:
+        run = {"static": generate_static, "dynamic": generate_dynamic}[impl]
+        results = run(target, tokenizer_or_none, draft_params, draft_cfg, d2t, prompts, cfg, stage)
     if stages is not None:
         if stage.cuda:
             torch.cuda.synchronize(stage.device)

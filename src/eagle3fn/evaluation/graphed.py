@@ -50,6 +50,7 @@ import torch
 from eagle3fn.decoding.forward import cached_forward, prefill
 from eagle3fn.decoding.generator import COLUMN_ALIGN, GenerateConfig, generate as decode
 from eagle3fn.decoding.graphs import Graphed
+from eagle3fn.decoding.pool import GraphPool, aligned
 from eagle3fn.decoding.static_cache import StaticKVCache
 from eagle3fn.evaluation import kv, static_draft, verify
 from eagle3fn.evaluation.config import eos_ids, prompt_list
@@ -68,11 +69,10 @@ PREFILL_TOKENS = GenerateConfig.prefill_tokens
 default): the grouped attention of a prefill holds ``[R, h, W, W]`` fp32 scores."""
 
 
-def capacity(prompt_lengths: Sequence[int], max_new_tokens: int, k: int) -> int:
+def capacity(prompt_lengths: Sequence[int], max_new_tokens: int, k: int, pool: GraphPool | None = None) -> int:
     """Target cache columns M: ``max L + max_new_tokens + 2k`` (module docstring),
-    rounded up to ``COLUMN_ALIGN``."""
-    M = max(prompt_lengths) + max_new_tokens + 2 * k
-    return -(-M // COLUMN_ALIGN) * COLUMN_ALIGN
+    rounded up to ``COLUMN_ALIGN`` (``pool.COLUMN_ALIGN`` when pooled)."""
+    return aligned(max(prompt_lengths) + max_new_tokens + 2 * k, pool, COLUMN_ALIGN)
 
 
 def kept_columns(n_B: torch.Tensor, live_B: torch.Tensor) -> torch.Tensor:
@@ -111,6 +111,12 @@ class _Verifier:
             self.logits = torch.zeros(B, K, V, dtype=cache.dtype, device=device)
             self.aux = torch.zeros(B, K, width, dtype=cache.dtype, device=device)
         self.step = Graphed(self._greedy_round if greedy else self._sampled_forward, graph, device)
+
+    def reset(self, token_B: torch.Tensor) -> None:
+        """A pooled verifier's next batch: pending tokens ``token``, every row live."""
+        self.token.copy_(token_B)
+        self.live.fill_(True)
+        self.n.zero_()
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, K, V]`` and aux ``[B, K, A*Ht]`` of ``[token, proposals]``."""
@@ -182,15 +188,17 @@ def _chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return chunks
 
 
-def _prefill(target: TargetModel, prompts: list[torch.Tensor], M: int,
+def _prefill(target: TargetModel, prompts: list[torch.Tensor], M: int, cache: StaticKVCache | None = None,
              ) -> tuple[StaticKVCache, torch.Tensor, torch.Tensor]:
     """The prompts into a fresh ``StaticKVCache`` of ``B`` rows x ``M`` columns, in the
     chunks ``decoding.generate`` prefills them in (``_chunks``; the target alone's first
     tokens are then bitwise these): ``(cache, logits [B, V] at each last prompt token,
-    aux [B, W, A*Ht] left-padded)``."""
+    aux [B, W, A*Ht] left-padded)``. ``cache``: a pooled one of ``B`` rows x ``M``
+    columns to load instead (every row's length is set by its load)."""
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     B, W = len(prompts), max(p.numel() for p in prompts)
-    cache = StaticKVCache(target.model.config, B, M, dtype=dtype, device=device)
+    if cache is None:
+        cache = StaticKVCache(target.model.config, B, M, dtype=dtype, device=device)
     logits = aux = None
     for chunk in _chunks([p.numel() for p in prompts], PREFILL_TOKENS):
         tmp, z, a, start, lengths = prefill(target.model, [prompts[i].tolist() for i in chunk], dtype=dtype,
@@ -207,13 +215,18 @@ def _prefill(target: TargetModel, prompts: list[torch.Tensor], M: int,
 
 @torch.no_grad()
 def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[str, torch.Tensor], draft_cfg,
-                     d2t: torch.Tensor, prompts: list[torch.Tensor], cfg, stage) -> list[SpecResult]:
+                     d2t: torch.Tensor, prompts: list[torch.Tensor], cfg, stage,
+                     pool: GraphPool | None = None) -> list[SpecResult]:
     """``generation.generate`` with ``impl="graph"`` (module docstring): one
     ``SpecResult`` per prompt, the tokens and accepted counts of ``impl="static"``.
 
     Args:
         prompts: int64 ``[L_i]`` each (``config.prompt_list``'s output).
         cfg: ``SpecConfig``; stage: ``timing.Stage`` (stage timings).
+        pool: a ``decoding.GraphPool`` (greedy decoding): the target's cache, the
+            draft's state and their recorded graphs are taken from it when an earlier
+            call of the same shapes, target and draft left them (columns rounded up to
+            ``pool.COLUMN_ALIGN``), and put back at the end.
     """
     k, temperature, device, eos, generators, pick, draft = setup(target, tokenizer_or_none, draft_params,
                                                                  draft_cfg, prompts, cfg)
@@ -225,20 +238,31 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
     choose = verify.draft_chooser(d2t, draft_cfg.vocab_size, temperature, draft.device, generators, rows)
     graph = _use_graphs(device, draft.device)
     draft.fused = graph and FUSED_DRAFT
+    pool = pool if temperature == 0 else None
+    M = capacity(slots, cfg.max_new_tokens, k, pool)
+    key = ("spec", id(target), B, M, k, id(draft_params), id(d2t), draft.fused, graph)
+    entry = pool.take(key) if pool is not None else None
 
     ids, valid, pos = kv.left_pad(prompts, device)
     with stage("prefill_s"):
-        cache, logits, aux = _prefill(target, prompts, capacity(slots, cfg.max_new_tokens, k))
+        cache, logits, aux = _prefill(target, prompts, M, entry[0] if entry else None)
     token = pick(logits, rows)
     S = ids.shape[1]  # draft cache slots in use
-    state = static_draft.StaticDraft(draft, B, k, aux.shape[-1], choose, graph and temperature == 0,
-                                     static_draft.initial_capacity(S + k + 1))
+    if entry is None:
+        state = static_draft.StaticDraft(draft, B, k, aux.shape[-1], choose, graph and temperature == 0,
+                                         static_draft.initial_capacity(S + k + 1))
+    else:
+        state = entry[1]
     with stage("draft_context_s"):
         dpos, dvalid = pos.to(draft.device), valid.to(draft.device)
         g, u, keys, values = draft.context(aux, torch.cat((ids[:, 1:], token[:, None]), 1).to(draft.device),
                                            dpos, dvalid)
         state.prefill(g, u, dpos, keys, values, dvalid)
-    verifier = _Verifier(target, cache, state, token, temperature == 0, graph)
+    if entry is None:
+        verifier = _Verifier(target, cache, state, token, temperature == 0, graph)
+    else:
+        verifier = entry[2]
+        verifier.reset(token)
     for b, t in enumerate(token.tolist()):
         new[b].append(t)
     was_live = rows
@@ -263,6 +287,8 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
             state.compact(state.rows, order, S, order.shape[1])
             S = order.shape[1]
         emit(new, accepted, live, host, eos, cfg.max_new_tokens)
+    if pool is not None:
+        pool.put(key, (cache, state, verifier))
     return results(new, accepted, k)
 
 
@@ -285,18 +311,19 @@ def _round(state, verifier: _Verifier, S: int, k: int, live: list[int], temperat
 
 @torch.no_grad()
 def target_generate_graphed(target: TargetModel, tokenizer_or_none, prompts: Sequence[torch.Tensor],
-                            cfg) -> list[list[int]]:
+                            cfg, pool: GraphPool | None = None) -> list[list[int]]:
     """The target alone on ``impl="graph"``'s path: ``decoding.generate`` (static cache,
     the ``[B, 1]`` decode step one CUDA-graph replay on CUDA) of the prompts as one batch,
     ``cfg.max_new_tokens`` each, stopping at ``config.eos_ids``: the new tokens of
     each prompt, in prompt order. Greedy output equals ``target_generate``'s; sampling
     draws request i's uniforms from seed ``cfg.seed + i`` (``decoding.request_uniforms``),
-    so its samples differ from ``target_generate``'s (same distribution)."""
+    so its samples differ from ``target_generate``'s (same distribution). ``pool``: the
+    decode step's state and graph reused across calls (``decoding.generate``'s)."""
     prompts = prompt_list(prompts)
     eos = eos_ids(target, tokenizer_or_none)
     gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, batch_size=len(prompts), temperature=cfg.temperature,
                          seed=cfg.seed, eos_token_ids=tuple(sorted(eos)), prefill_tokens=PREFILL_TOKENS)
     out: list[list[int]] = [[] for _ in prompts]
-    for index, tokens, _ in decode(target.model, [p.tolist() for p in prompts], gen):
+    for index, tokens, _ in decode(target.model, [p.tolist() for p in prompts], gen, pool=pool):
         out[index] = tokens
     return out

@@ -89,10 +89,12 @@ class StaticDraft:
 
     def prefill(self, g_BLH: torch.Tensor, u_BL2H: torch.Tensor, pos_BL: torch.Tensor,
                 keys_BgLd: torch.Tensor, values_BgLd: torch.Tensor, valid_BL: torch.Tensor) -> None:
-        """The prompts' context rows into slots ``0..L-1``; row t = each row's last."""
+        """The prompts' context rows into slots ``0..L-1``, the slots after them invalid
+        (a pooled state's earlier batch left them valid); row t = each row's last."""
         L = valid_BL.shape[1]
         self.reserve(L)
         self.keys[:, :, :L], self.values[:, :, :L], self.valid[:, :L] = keys_BgLd, values_BgLd, valid_BL
+        self.valid[:, L:] = False
         self.g_t.copy_(g_BLH[:, -1])
         self.u_t.copy_(u_BL2H[:, -1])
         self.pos_t.copy_(pos_BL[:, -1])

@@ -6,7 +6,10 @@ speculative decoding (``generation.generate``), each timed after one untimed war
 batch (CUDA context, allocator blocks and graph recordings are not charged to the
 first timed configuration). The target alone runs on the decoding path of the
 implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
-a static cache and CUDA graphs on both sides). Greedy outputs are held to the target alone's
+a static cache and CUDA graphs on both sides). Both sides keep their recorded graphs
+across batches (one ``decoding.GraphPool`` for the sweep, columns rounded up to its
+``COLUMN_ALIGN``): each shape is recorded once, as a server records at start-up, not
+once per batch. Greedy outputs are held to the target alone's
 (``identity.check_identity``) in every configuration.
 """
 
@@ -17,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from eagle3fn.decoding.pool import GraphPool
 from eagle3fn.evaluation.baseline import target_generate
 from eagle3fn.evaluation.config import SpecConfig
 from eagle3fn.evaluation.generation import default_impl, generate
@@ -71,11 +75,13 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
     impl = default_impl(target, draft_params) if impl is None else impl
     prompts = [p.reshape(-1).to(device) for p in prompts]
     rows, best = [], {}
+    pool = GraphPool()  # both sides record once per shape and replay for every batch, as a server
     for b in batch_sizes:
         batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed)
-        alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl)  # noqa: E731
+        alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl,  # noqa: E731
+                                                  pool=pool)
         if warmup:
             alone_run(batches[0])
         alone, alone_s = _timed(device, lambda: [t for batch in batches for t in alone_run(batch)])
@@ -84,7 +90,7 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
             cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
                              temperature=temperature, seed=seed)
             run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
-                                         impl=impl)
+                                         impl=impl, pool=pool)
             if warmup:
                 run(batches[0])
             results, seconds = _timed(device, lambda: [r for batch in batches for r in run(batch)])
