@@ -406,3 +406,42 @@ def test_offline_packing_plan_and_resume_fingerprint(workdir, loop_cache, tmp_pa
     assert all(torch.equal(a[n], b[n]) for n in a)
     with pytest.raises(RunError, match=f"settings.pack_rows.window: {PACK_WINDOW} -> 4"):
         train(dataclasses.replace(whole, out_dir=str(tmp_path / "cut"), pack_window=4), log=lambda s: None)
+
+
+def test_offline_on_cuda_packs_a_batch_into_one_row(workdir, tmp_path, loop_cache):  # noqa: F811
+    """Offline on CUDA with no --pack-length, --batch-size B rows of --max-length L become
+    one row of B x L per micro-batch (``TrainConfig.packed_rows``, while B x L <=
+    ``OFFLINE_ROW_TOKENS``): the plan packs every conversation once into rows of B x L,
+    the memory check sizes one such row, and the run fingerprint records it (a resume
+    with the other layout is refused). Everywhere else the rows stay as asked: on the
+    CPU, online, with --pack-length, with eager draft attention, or past the bound."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from eagle3fn.train.checkpoint import run_fingerprint
+    from eagle3fn.train.config import OFFLINE_ROW_TOKENS
+    from eagle3fn.train.preflight import step_memory
+    from eagle3fn.train.sources import packed_batches
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = _loop_config(workdir, tmp_path / "run", cache=str(loop_cache), pack=True, batch_size=2)
+    L = cfg.max_length
+    assert cfg.packed_rows(cuda) == (1, 2 * L) and cfg.packed_rows(cpu) == (2, L)
+    for other in (dict(cache=None), dict(pack_length=2 * L), dict(batch_size=OFFLINE_ROW_TOKENS // L + 1)):
+        c = dataclasses.replace(cfg, **other)
+        assert c.packed_rows(cuda) == (c.batch_size, c.row_length), other
+    eager = dataclasses.replace(cfg, ttt=dataclasses.replace(cfg.ttt, attention="eager"))
+    assert eager.packed_rows(cuda) == (2, L)
+    lengths = [[30, 150], [90, 60], [160, 10]]
+    long_rows = packed_batches(lengths, cfg, *cfg.packed_rows(cuda))
+    assert all(len(batch) == 1 and sum(lengths[i][b] for i, b in batch[0]) <= 2 * L for batch in long_rows)
+    assert sorted(ref for batch in long_rows for ref in batch[0]) == [(i, b) for i in range(3) for b in range(2)]
+    assert len(long_rows) < sum(len(batch) for batch in packed_batches(lengths, cfg, 2, L))
+    need = step_memory(cfg, AutoConfig.from_pretrained(workdir / "model"), cuda, torch.bfloat16)
+    assert (need.rows, need.seq_len) == (1, 2 * L)
+    fp = lambda c, device: run_fingerprint(c, device=device, precision=torch.float64, world={},  # noqa: E731
+                                           d2t=torch.zeros(1), t2d=torch.zeros(1))["settings"]["pack_rows"]
+    assert fp(cfg, cuda) == {"length": 2 * L, "window": PACK_WINDOW, "rows": 1}
+    assert fp(cfg, cpu) == {"length": L, "window": PACK_WINDOW}  # the format runs before this default have
+    assert fp(dataclasses.replace(cfg, pack_length=2 * L), cuda) == {"length": 2 * L, "window": PACK_WINDOW}

@@ -74,7 +74,9 @@ def run_fingerprint(cfg, *, device: torch.device, precision: torch.dtype, world:
     for key in ("pack", "pack_length", "pack_window"):  # what counts is how batches are packed:
         settings.pop(key, None)  # absent when unpacked, so runs from before the flags still resume
     if cfg.packs:
-        settings.update(pack=True, pack_rows={"length": cfg.row_length, "window": cfg.pack_window})
+        rows, length = cfg.packed_rows(device)
+        settings.update(pack=True, pack_rows={"length": length, "window": cfg.pack_window,
+                                              **({"rows": rows} if rows != cfg.batch_size else {})})
     settings.update(trim=cfg.trim_mode, device=device.type, precision=str(precision).removeprefix("torch."),
                     world=world)
     out = {"settings": _jsonable(settings), "target": target_fingerprint(cfg.model, cfg.gguf_file),

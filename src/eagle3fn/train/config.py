@@ -22,6 +22,15 @@ from eagle3fn.loss import LossConfig
 from eagle3fn.parallel.mesh import ParallelConfig
 
 PresetName = Literal["demo", "smoke", "long-context"]
+OFFLINE_ROW_TOKENS = 8192
+"""Offline on CUDA with no --pack-length, a micro-batch of --batch-size rows of --max-length
+becomes one row of batch_size x max_length tokens when that is at most this many (the same
+positions per step): at 8B shapes 1.18x the real tokens/s at the same peak memory, padding
+9.3% -> 2.8% (docs/benchmarks.md, "Offline: rows of 8192 tokens"). Online the target's
+attention over a packed row is one dense masked SDPA (slower, 478 against 362 ms a step
+there), and eager draft attention (the CPU, --ttt.attention eager) is O(row^2) likewise, so
+rows stay --max-length there."""
+
 _PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -165,7 +174,9 @@ class TrainConfig:
     by exactly the ratio of those counts. --no-pack gives SpecForge's batches (one
     conversation per row, padded to the longest)."""
     pack_length: int | None = None
-    """Tokens per packed row (>= --max-length; default --max-length). Conversations are
+    """Tokens per packed row (>= --max-length; default --max-length, except offline on CUDA:
+    one row of --batch-size x --max-length per micro-batch when that is at most 8192,
+    ``OFFLINE_ROW_TOKENS``; pass --pack-length to choose). Conversations are
     still cut at --max-length, so e.g. --pack-length 8192 --batch-size 1 replaces 4 rows
     of 2048 with one of 8192 and fills it better: less padding where conversations are
     long next to --max-length (benchmarks/packing.py measures it on chat data).
@@ -385,6 +396,16 @@ class TrainConfig:
     def row_length(self) -> int:
         """Positions per packed row: ``pack_length``, default ``max_length``."""
         return self.max_length if self.pack_length is None else self.pack_length
+
+    def packed_rows(self, device: torch.device) -> tuple[int, int]:
+        """``(rows per micro-batch, tokens per row)`` of packed batches on ``device``:
+        ``(batch_size, row_length)``, or offline on CUDA with FlexAttention and no
+        --pack-length ``(1, batch_size * max_length)`` when that is at most
+        ``OFFLINE_ROW_TOKENS`` (the measured faster default)."""
+        long_rows = (self.cache is not None and self.pack_length is None and device.type == "cuda"
+                     and self.ttt.attention != "eager" and self.batch_size > 1
+                     and self.batch_size * self.max_length <= OFFLINE_ROW_TOKENS)
+        return (1, self.batch_size * self.max_length) if long_rows else (self.batch_size, self.row_length)
 
     @property
     def trim_mode(self) -> str:

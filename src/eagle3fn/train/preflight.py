@@ -84,7 +84,7 @@ def step_memory(cfg: TrainConfig, model_config, device: torch.device, precision:
     """Peak bytes of one step on one rank (module docstring)."""
     text = _text(model_config)
     b = 2 if precision in (torch.bfloat16, torch.float16) else 4  # fp64 planned as fp32: a lower bound
-    B, S = cfg.batch_size, cfg.row_length if cfg.packs else cfg.max_length
+    B, S = cfg.packed_rows(device) if cfg.packs else (cfg.batch_size, cfg.max_length)
     if cfg.cache and not cfg.packs and (rows := _cache_rows(cfg.cache)) is not None:
         B, S = rows
     heads = text.num_attention_heads
@@ -158,12 +158,15 @@ def check_memory(cfg: TrainConfig, model_config, device: torch.device, precision
     if need.peak > free:
         g = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
         length = "--pack-length" if cfg.packs and cfg.pack_length else "--max-length"
+        lower = f"lower {length} (now {need.seq_len}) or --batch-size (now {need.rows})"
+        if cfg.packs and (need.rows, need.seq_len) != (cfg.batch_size, cfg.row_length):  # offline long rows
+            lower = (f"lower --batch-size (now {cfg.batch_size}: one row of {cfg.batch_size} x --max-length "
+                     f"{cfg.max_length}) or --max-length")
         target = (f" + the target's weights {g(need.target_weights)}, its forward {g(need.target_forward)} "
                   "beside the draft's state" if not cfg.cache else "")
         raise UsageError(
             f"one step needs about {g(need.peak)} but {device.type} has {g(free)} {where}: the draft step "
             f"{g(need.draft)} at {need.rows} rows of {need.seq_len} tokens (eagle3fn plan's model, "
-            f"{DENSITY:.0%} supervised){target}; lower {length} (now {need.seq_len}) or --batch-size (now "
-            f"{need.rows}), use --trim backbone, train offline from eagle3fn prepare's cache, or pass "
-            "--no-memory-check to try anyway")
+            f"{DENSITY:.0%} supervised){target}; {lower}, use --trim backbone, train offline from eagle3fn "
+            "prepare's cache, or pass --no-memory-check to try anyway")
     return need

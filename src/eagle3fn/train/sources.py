@@ -206,18 +206,20 @@ def online_source(cfg: TrainConfig, device: torch.device):
     return target, (examples[:cut], source(examples[:cut])), (examples[cut:], source(examples[cut:]))
 
 
-def packed_batches(lengths: list[list[int]], cfg: TrainConfig) -> list[tuple[tuple[tuple[int, int], ...], ...]]:
+def packed_batches(lengths: list[list[int]], cfg: TrainConfig, rows_per_batch: int,
+                   row_length: int) -> list[tuple[tuple[tuple[int, int], ...], ...]]:
     """The packed micro-batches of a cache's shards whose conversations have
     ``lengths[i]`` tokens (shard i, in order): ``io.packing.plan_rows`` over all of them
-    in shard order (the plan online packing makes of the same conversations), cut into
-    batches of ``batch_size`` rows. Each batch is a tuple of rows, each row a tuple of
-    ``(shard, conversation row in that shard)``."""
+    in shard order (the plan online packing makes of the same conversations) into rows of
+    ``row_length``, cut into batches of ``rows_per_batch`` rows (``TrainConfig.packed_rows``).
+    Each batch is a tuple of rows, each row a tuple of ``(shard, conversation row in that
+    shard)``."""
     from eagle3fn.io.packing import plan_rows
 
     refs = [(i, b) for i, shard in enumerate(lengths) for b in range(len(shard))]
-    rows = plan_rows([L for shard in lengths for L in shard], cfg.max_length, cfg.row_length, cfg.pack_window)
+    rows = plan_rows([L for shard in lengths for L in shard], cfg.max_length, row_length, cfg.pack_window)
     rows = [tuple(refs[j] for j in row) for row in rows]
-    return [tuple(rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+    return [tuple(rows[i:i + rows_per_batch]) for i in range(0, len(rows), rows_per_batch)]
 
 
 def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2):
@@ -237,7 +239,8 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     from eagle3fn.io.packing import gather_packed
     from eagle3fn.io.prefetch import Prefetcher
 
-    packs, row_length, max_length, path = cfg.packs, cfg.row_length, cfg.max_length, cfg.cache  # read once
+    packs, max_length, path = cfg.packs, cfg.max_length, cfg.cache  # read once
+    rows_per_batch, row_length = cfg.packed_rows(device)
     cache = FeatureCache(path)  # host side: CPU tensors in the stored dtypes
     dtype = cfg.compute_dtype(device)
     head = cache.target_head.to(device=device, dtype=dtype)
@@ -290,7 +293,7 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
 
     def source(ids):
         if packs:  # batches of rows planned over these shards' conversations, in shard order
-            batches = packed_batches([[len(e) for e in shards[i]] for i in ids], cfg)
+            batches = packed_batches([[len(e) for e in shards[i]] for i in ids], cfg, rows_per_batch, row_length)
             items = [tuple(tuple((ids[i], b) for i, b in row) for row in batch) for batch in batches]
         else:
             items = list(ids)
