@@ -470,7 +470,7 @@ def test_compiled_step_follows_the_bf16_rule_on_cuda(tmp_path, monkeypatch):
     last real row of every step left out (``onegraph.bucketed``'s masks patched) breaks
     the same rule. (Counting a padding row instead changes nothing here: in packed rows a
     padding row reads row 0, the first token of a conversation, which no step
-    supervises; on the CPU in bf16 this control misses the weights' rule by 1.3-1.8x,
+    supervises; on the CPU in bf16 this control breaks the weights' rule, up to 1.75x the bound,
     the padding one not at all.)"""
     import json
 
