@@ -108,7 +108,7 @@ def measure(lengths: list[int], *, max_length: int, batch_size: int, pack_length
             row(f"bfd/{W}", "online", len(plan_rows(lengths, max_length, N, W)), window=W)
             cfg = TrainConfig(model="m", cache="c", max_length=max_length, pack_length=N, pack_window=W,
                               batch_size=per_batch)
-            batches = packed_batches(shards, cfg)
+            batches = packed_batches(shards, cfg, per_batch, N)
             opened = sum(len({i for r in batch for i, _ in r}) for batch in batches)
             row(f"bfd/{W}", "offline", sum(len(b) for b in batches), window=W, shards=opened / len(batches))
         row("bound", "any", lower_bound_rows(lengths, N))

@@ -42,7 +42,7 @@ def brute_force(row, lengths, max_length, batch_size):
     else:  # offline: gathered from shard-shaped feature batches, as offline_source does
         cfg = TrainConfig(model="m", cache="c", max_length=max_length, pack_length=N, pack_window=row["window"],
                           batch_size=per_batch)
-        batches = packed_batches([[lengths[i] for i in s] for s in shards], cfg)
+        batches = packed_batches([[lengths[i] for i in s] for s in shards], cfg, per_batch, N)
         parts = []
         for s in shards:
             b = collate([ex[i] for i in s], 0)

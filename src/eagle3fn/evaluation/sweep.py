@@ -7,9 +7,9 @@ batch (CUDA context, allocator blocks and graph recordings are not charged to th
 first timed configuration). The target alone runs on the decoding path of the
 implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
 a static cache and CUDA graphs on both sides). Both sides keep their recorded graphs
-across batches (one ``decoding.GraphPool`` for the sweep, columns rounded up to its
-``COLUMN_ALIGN``): each shape is recorded once, as a server records at start-up, not
-once per batch. Greedy outputs are held to the target alone's
+across the batches of a configuration (a ``decoding.GraphPool``, columns rounded up to
+its ``COLUMN_ALIGN``, emptied after each configuration, which holds its caches): each
+shape is recorded once, as a server records at start-up, not once per batch. Greedy outputs are held to the target alone's
 (``identity.check_identity``) in every configuration.
 """
 
@@ -85,6 +85,7 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
         if warmup:
             alone_run(batches[0])
         alone, alone_s = _timed(device, lambda: [t for batch in batches for t in alone_run(batch)])
+        pool.clear()  # no later configuration reuses these shapes: their memory goes now
         alone_tps = sum(map(len, alone)) / alone_s
         for k in ks:
             cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
@@ -94,6 +95,7 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
             if warmup:
                 run(batches[0])
             results, seconds = _timed(device, lambda: [r for batch in batches for r in run(batch)])
+            pool.clear()
             counts = [n for r in results for n in r.accepted_per_round]
             length, per_position = acceptance_stats(counts, k)
             tokens = sum(len(r.tokens) for r in results)

@@ -25,11 +25,10 @@ PresetName = Literal["demo", "smoke", "long-context"]
 OFFLINE_ROW_TOKENS = 8192
 """Offline on CUDA with no --pack-length, a micro-batch of --batch-size rows of --max-length
 becomes one row of batch_size x max_length tokens when that is at most this many (the same
-positions per step): at 8B shapes 1.18x the real tokens/s at the same peak memory, padding
-9.3% -> 2.8% (docs/benchmarks.md, "Offline: rows of 8192 tokens"). Online the target's
-attention over a packed row is one dense masked SDPA (slower, 478 against 362 ms a step
-there), and eager draft attention (the CPU, --ttt.attention eager) is O(row^2) likewise, so
-rows stay --max-length there."""
+positions per step, less padding; faster at the same peak memory where it was measured,
+on the benchmark pages' offline rows). Online the target's attention over a packed row is
+one dense masked SDPA, and eager draft attention (the CPU, --ttt.attention eager) is
+O(row^2) likewise, so rows stay --max-length there."""
 
 _PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
