@@ -284,7 +284,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
         counters: a ``Counters`` to fill as decoding goes.
         pool: a ``decoding.GraphPool``: the slot state and its recorded step are taken
             from it when an earlier call left one of this shape (columns rounded up to
-            ``pool.COLUMN_ALIGN``) and put back when every request has been yielded.
+            ``pool.COLUMN_ALIGN`` when the step is a CUDA graph) and put back when every
+            request has been yielded.
     """
     N = len(prompts)
     limits = [cfg.max_new_tokens] * N if max_new_tokens is None else [int(n) for n in max_new_tokens]
@@ -293,7 +294,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
     if N == 0:
         return
     weight = model.get_output_embeddings().weight
-    M = _check(prompts, limits, cfg, weight.shape[0], pool)
+    graph = weight.device.type == "cuda" if cfg.graph is None else cfg.graph
+    # Columns rounded up for the pool only where steps are recorded: an eager step gains
+    # nothing from a shared shape and would attend the extra columns.
+    M = _check(prompts, limits, cfg, weight.shape[0], pool if graph else None)
     T = max(limits)
     eos = cfg.eos_token_ids if cfg.eos_token_ids is not None else eos_token_ids(model, tokenizer)
     counters = Counters() if counters is None else counters

@@ -11,8 +11,9 @@ once per shape at start-up and replays for every request.
 A ``GraphPool`` passed to those calls keeps each call's buffers and recorded graphs,
 keyed by everything the recording depends on (the shapes, and the identity of the
 model, draft and tensors it reads), and hands them to the next call with the same key,
-which resets their contents and replays. Cache columns are then rounded up to
-``COLUMN_ALIGN`` so that prompts of nearby lengths share one entry. The pool holds
+which resets their contents and replays. Where steps are recorded (CUDA) the callers
+round cache columns up to ``COLUMN_ALIGN`` so that prompts of nearby lengths share one
+entry; eager steps (the CPU) keep their exact columns. The pool holds
 their memory until it is dropped (``clear``), and at most ``size`` entries (least
 recently used first out).
 """

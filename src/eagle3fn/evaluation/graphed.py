@@ -226,7 +226,8 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
         pool: a ``decoding.GraphPool`` (greedy decoding): the target's cache, the
             draft's state and their recorded graphs are taken from it when an earlier
             call of the same shapes, target and draft left them (columns rounded up to
-            ``pool.COLUMN_ALIGN``), and put back at the end.
+            ``pool.COLUMN_ALIGN`` on CUDA, where the rounds are recorded), and put back at
+            the end.
     """
     k, temperature, device, eos, generators, pick, draft = setup(target, tokenizer_or_none, draft_params,
                                                                  draft_cfg, prompts, cfg)
@@ -239,7 +240,7 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
     graph = _use_graphs(device, draft.device)
     draft.fused = graph and FUSED_DRAFT
     pool = pool if temperature == 0 else None
-    M = capacity(slots, cfg.max_new_tokens, k, pool)
+    M = capacity(slots, cfg.max_new_tokens, k, pool if graph else None)  # rounded up only where recorded
     key = ("spec", id(target), B, M, k, id(draft_params), id(d2t), draft.fused, graph)
     entry = pool.take(key) if pool is not None else None
 
