@@ -412,12 +412,20 @@ def test_pooled_calls_reuse_one_recording_and_equal_fresh_ones(monkeypatch):
     pool = GraphPool()
     assert run(pool) == want
     assert len(recordings) == 1 and (pool.hits, pool.misses) == (len(groups) - 1, 1)
+    # A call needing more columns replaces the state; a later shorter call fits in it.
+    long = prompts_of([40], seed=5)[0]
+    recordings.clear()
+    assert decode_all(model, [long, prompts[0]], cfg, limits=None, pool=pool)[0][0] == hf_generate(model, long, 12)
+    assert decode_all(model, prompts[1:3], cfg, limits=None, pool=pool) == \
+        {j: (refs[1 + j], refs[1 + j][-1:] == [model.generation_config.eos_token_id]) for j in range(2)}
+    assert len(recordings) == 1 and len(pool.entries) == 1 and next(iter(pool.entries.values())).cache.max_len >= 52
     sampled = dataclasses.replace(cfg, temperature=1.0)
     alone = decode_all(model, prompts[:2], sampled, limits=None)
     recordings.clear()
     assert decode_all(model, prompts[:2], sampled, limits=None, pool=pool) == alone
     assert len(recordings) == 1 and len(pool.entries) == 2
-    monkeypatch.setattr(GraphPool, "take", lambda self, key: self.entries.popitem()[1] if self.entries else None)
+    monkeypatch.setattr(GraphPool, "take",
+                        lambda self, key, fits=None: self.entries.popitem()[1] if self.entries else None)
     pool = GraphPool()
     run(pool)
     assert decode_all(model, prompts[:2], sampled, limits=None, pool=pool) != alone

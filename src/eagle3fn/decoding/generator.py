@@ -303,11 +303,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerateCo
     counters = Counters() if counters is None else counters
     t0 = time.perf_counter()
     B = min(cfg.batch_size, N)
-    key = ("decode", id(model), B, M, T, cfg.temperature, cfg.top_p, cfg.attention, cfg.compile, cfg.graph,
+    key = ("decode", id(model), B, T, cfg.temperature, cfg.top_p, cfg.attention, cfg.compile, cfg.graph,
            tuple(eos), weight.dtype, str(weight.device))
     # A pooled state is handed back only after every request ended: all its slots are
-    # done and free (``admit`` sets every field of a slot it fills).
-    slots = pool.take(key) if pool is not None else None
+    # done and free (``admit`` sets every field of a slot it fills); one with at least M
+    # columns serves (the columns past a slot's length are never read).
+    slots = pool.take(key, lambda s: s.cache.max_len >= M) if pool is not None else None
     if slots is None:
         slots = _Slots(model, B, M, T, cfg, eos, weight.dtype, weight.device)
     owner: list[int | None] = [None] * slots.token.shape[0]  # request decoded in each slot

@@ -9,9 +9,10 @@ decodes every prompt at batch 1), that cost is paid per batch, where a server re
 once per shape at start-up and replays for every request.
 
 A ``GraphPool`` passed to those calls keeps each call's buffers and recorded graphs,
-keyed by everything the recording depends on (the shapes, and the identity of the
-model, draft and tensors it reads), and hands them to the next call with the same key,
-which resets their contents and replays. Where steps are recorded (CUDA) the callers
+keyed by everything the recording depends on (the shapes but the cache's columns, and
+the identity of the model, draft and tensors it reads), and hands them to the next call
+with the same key whose prompts fit in their columns, which resets their contents and
+replays; a call needing more columns replaces the entry (one cache per shape at a time). Where steps are recorded (CUDA) the callers
 round cache columns up to ``COLUMN_ALIGN`` so that prompts of nearby lengths share one
 entry; eager steps (the CPU) keep their exact columns. The pool holds
 their memory until it is dropped (``clear``), and at most ``size`` entries (least
@@ -20,8 +21,9 @@ recently used first out).
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 COLUMN_ALIGN = 256
 """Cache columns of a pooled call are rounded up to a multiple of this, so calls whose
@@ -42,10 +44,14 @@ class GraphPool:
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.hits = self.misses = 0
 
-    def take(self, key: Hashable) -> Any | None:
+    def take(self, key: Hashable, fits: Callable[[Any], bool] = lambda entry: True) -> Any | None:
         """The entry stored under ``key``, removed from the pool (a call owns it until it
-        ``put``s it back), or None."""
+        ``put``s it back), or None: none stored, or one that does not ``fit`` (dropped,
+        its memory freed)."""
         entry = self.entries.pop(key, None)
+        if entry is not None and not fits(entry):
+            entry = None
+            gc.collect()  # recorded graphs hold their owners in reference cycles
         if entry is None:
             self.misses += 1
         else:
@@ -61,8 +67,11 @@ class GraphPool:
             self.entries.popitem(last=False)
 
     def clear(self) -> None:
-        """Drop every entry (their memory is freed once nothing else holds them)."""
-        self.entries.clear()
+        """Drop every entry and free its memory (once nothing else holds it: a recorded
+        graph holds its owner in a reference cycle, so this collects them)."""
+        if self.entries:
+            self.entries.clear()
+            gc.collect()
 
 
 def aligned(columns: int, pool: GraphPool | None, align: int) -> int:

@@ -241,8 +241,11 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
     draft.fused = graph and FUSED_DRAFT
     pool = pool if temperature == 0 else None
     M = capacity(slots, cfg.max_new_tokens, k, pool if graph else None)  # rounded up only where recorded
-    key = ("spec", id(target), B, M, k, id(draft_params), id(d2t), draft.fused, graph)
-    entry = pool.take(key) if pool is not None else None
+    # The recorded graphs read the draft's tensors by address (the entry keeps them alive
+    # through its Draft, and d2t and the config itself); a cache of at least M columns serves.
+    key = ("spec", id(target), B, k, tuple(t.data_ptr() for t in draft_params.values()), id(d2t),
+           id(draft_cfg), draft.fused, graph)
+    entry = pool.take(key, lambda e: e[0].max_len >= M) if pool is not None else None
 
     ids, valid, pos = kv.left_pad(prompts, device)
     with stage("prefill_s"):
@@ -289,7 +292,7 @@ def generate_graphed(target: TargetModel, tokenizer_or_none, draft_params: dict[
             S = order.shape[1]
         emit(new, accepted, live, host, eos, cfg.max_new_tokens)
     if pool is not None:
-        pool.put(key, (cache, state, verifier))
+        pool.put(key, (cache, state, verifier, d2t, draft_cfg))
     return results(new, accepted, k)
 
 
@@ -325,6 +328,7 @@ def target_generate_graphed(target: TargetModel, tokenizer_or_none, prompts: Seq
     gen = GenerateConfig(max_new_tokens=cfg.max_new_tokens, batch_size=len(prompts), temperature=cfg.temperature,
                          seed=cfg.seed, eos_token_ids=tuple(sorted(eos)), prefill_tokens=PREFILL_TOKENS)
     out: list[list[int]] = [[] for _ in prompts]
+    pool = pool if cfg.temperature == 0 else None  # as the speculative side: greedy only
     for index, tokens, _ in decode(target.model, [p.tolist() for p in prompts], gen, pool=pool):
         out[index] = tokens
     return out

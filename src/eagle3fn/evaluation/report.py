@@ -84,7 +84,8 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
             decoding path of ``impl`` (``target_generate(impl=impl)``).
         impl: ``generate``'s implementation (None: ``default_impl``, ``"graph"`` on CUDA).
             With ``"graph"`` both sides keep their recorded CUDA graphs across batches
-            (one ``decoding.GraphPool`` for the call).
+            (a ``decoding.GraphPool``, emptied after each side). On CUDA each side's
+            first batch runs once untimed before its timing (compilation, recordings).
 
     Returns:
         ``acceptance_length`` (mean of ``accepted + 1`` over the rounds of all
@@ -111,7 +112,8 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     impl = default_impl(target, draft_params) if impl is None else impl
 
     def timed(fn):
-        if device.type == "cuda":
+        if device.type == "cuda":  # one untimed batch first: kernel compilation, graph recording
+            fn(batches[0])
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         out = [r for batch in batches for r in fn(batch)]
@@ -122,6 +124,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     pool = GraphPool()  # both sides record once per shape and replay for every batch, as a server
     results, seconds = timed(lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t,
                                                     batch, cfg, impl=impl, pool=pool))
+    pool.clear()
     rounds = [n for r in results for n in r.accepted_per_round]
     length, per_position = acceptance_stats(rounds, cfg.num_draft_tokens)
     tokens = sum(len(r.tokens) for r in results)
@@ -132,6 +135,7 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     if baseline:
         alone, target_seconds = timed(lambda batch: target_generate(target, tokenizer, batch, cfg, impl=impl,
                                                                     pool=pool))
+        pool.clear()
         target_tps = sum(map(len, alone)) / target_seconds
         out.update(target_seconds=target_seconds, target_tokens_per_s=target_tps,
                    speedup=out["tokens_per_s"] / target_tps,
