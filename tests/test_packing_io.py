@@ -6,6 +6,8 @@ conversations), the refusals, the training loop's first gradient packed vs unpac
 offline plan across shards, reading a shard's conversations alone, packed resume and
 its fingerprint."""
 
+import pathlib
+
 import pytest
 import torch
 from recorders import prepare_cache
@@ -445,3 +447,21 @@ def test_offline_on_cuda_packs_a_batch_into_one_row(workdir, tmp_path, loop_cach
     assert fp(cfg, cuda) == {"length": 2 * L, "window": PACK_WINDOW, "rows": 1}
     assert fp(cfg, cpu) == {"length": L, "window": PACK_WINDOW}  # the format runs before this default have
     assert fp(dataclasses.replace(cfg, pack_length=2 * L), cuda) == {"length": 2 * L, "window": PACK_WINDOW}
+
+
+def test_a_resume_of_an_offline_run_packed_the_old_way_says_how():
+    """A checkpoint whose fingerprint packed rows of --max-length, resumed where the new
+    offline default packs one row per micro-batch: refused, naming the difference and the
+    flag that resumes it as it was. Control: another difference gets no such hint."""
+    from eagle3fn.errors import RunError
+    from eagle3fn.train.checkpoint import check_resume
+
+    old = {"settings": {"pack_rows": {"length": 2048, "window": PACK_WINDOW}, "lr": 1e-4}}
+    new = {"settings": {"pack_rows": {"length": 8192, "window": PACK_WINDOW, "rows": 1}, "lr": 1e-4}}
+    state = {"config": {"max_steps": None}, "fingerprint": old, "params": {}}
+    with pytest.raises(RunError, match="pack_rows.length: 2048 -> 8192.*pass --pack-length 2048 to resume it"):
+        check_resume(pathlib.Path("run/checkpoint.pt"), state, new, {}, max_steps=None)
+    other = {"settings": {**old["settings"], "lr": 2e-4}}
+    with pytest.raises(RunError) as raised:
+        check_resume(pathlib.Path("run/checkpoint.pt"), state, other, {}, max_steps=None)
+    assert "lr" in str(raised.value) and "--pack-length" not in str(raised.value)

@@ -193,7 +193,12 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
             "the new total and the learning-rate schedule now spans it")
     differences = diff(_jsonable(state["fingerprint"]), _jsonable(fingerprint))
     if differences:
-        raise RunError(f"{path} was written by another run; it differs in: {'; '.join(differences)}. "
+        old_rows = state["fingerprint"].get("settings", {}).get("pack_rows") or {}
+        new_rows = fingerprint.get("settings", {}).get("pack_rows") or {}
+        hint = (f" (offline on CUDA a micro-batch is now one row of --batch-size x --max-length; this run was "
+                f"packed into rows of {old_rows['length']}: pass --pack-length {old_rows['length']} to resume it)"
+                if "rows" in new_rows and "rows" not in old_rows and "length" in old_rows else "")
+        raise RunError(f"{path} was written by another run; it differs in: {'; '.join(differences)}{hint}. "
                        "Resume with the same settings, target, data and vocab map, or use another --out-dir")
     for name, p in trainable.items():
         if name not in state["params"] or state["params"][name].shape != p.shape:
