@@ -11,7 +11,6 @@ one one-process batch, its ``local_mean`` divisor and its weight in the sum.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from eagle3fn.align import supervised_mask
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
+from ranks import COLLECTIVE_TIMEOUT
 
 
 def first_grads(cfg) -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def rank_main(rank: int, world: int, init_file: str, runs: dict, result_file: st
     torch.use_deterministic_algorithms(True)
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=COLLECTIVE_TIMEOUT)
     results = {}
     for name, cfg in runs.items():
         results[name] = eval_run(cfg) if name.endswith("-eval") else first_grads(cfg)

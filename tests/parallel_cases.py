@@ -4,7 +4,6 @@ reference and the per-rank run of one sequence/data-parallel case (fp64)."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 
 import torch
@@ -15,6 +14,7 @@ from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Features
 from eagle3fn.unrolled import TTTConfig, ttt
 from eagle3fn.vocab import build_vocab_map
+from ranks import COLLECTIVE_TIMEOUT
 
 K, L, V, VD, H, HT, B_LOCAL = 3, 21, 53, 19, 32, 24, 2
 CFG = DraftConfig(hidden_size=H, intermediate_size=40, num_heads=4, num_kv_heads=2, vocab_size=V,
@@ -115,7 +115,7 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str, layout_name: 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=COLLECTIVE_TIMEOUT)
     _, dp, ring, ulysses = LAYOUTS[layout_name]
     layout = build_layout(ParallelConfig(ring=ring, ulysses=ulysses), torch.device("cpu"))
     results = {}

@@ -9,6 +9,7 @@ add scheduling noise, and the ranks share 2 cores); it runs no torch op, so no O
 pool is forked. Every rank still sets its own threads and deterministic algorithms.
 """
 
+import datetime
 import multiprocessing
 import os
 import time
@@ -20,6 +21,13 @@ import torch.multiprocessing as mp
 # to import is skipped there and imported by the rank, as spawn would).
 PRELOAD = ["torch", "torch._inductor", "torch.distributed.tensor", "eagle3fn.parallel", "eagle3fn.train.loop",
            "parallel_cases", "loop_grad_cases"]
+
+
+# The ranks' collective timeout: long enough for a rank that compiles its first kernels
+# on a loaded 2-core machine while another waits in a collective (60 s was not: CI saw a
+# gloo recv time out there), shorter than the launcher's hang timeout below, so a real
+# hang still fails as one.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 
 
 def launch(fn, args: tuple, nprocs: int, what: str, timeout_s: float = 240) -> None:
