@@ -176,9 +176,9 @@ def synth_dtype(name: str, device):
 
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_amx_tile_supported()):
-        return torch.bfloat16
-    return torch.float32
+    from eagle3fn.io.device import train_dtype
+
+    return train_dtype(device)
 
 
 def regenerate(args) -> None:

@@ -465,3 +465,22 @@ def test_a_resume_of_an_offline_run_packed_the_old_way_says_how():
     with pytest.raises(RunError) as raised:
         check_resume(pathlib.Path("run/checkpoint.pt"), state, other, {}, max_steps=None)
     assert "lr" in str(raised.value) and "--pack-length" not in str(raised.value)
+
+
+def test_a_resume_in_another_precision_names_the_flag():
+    """A CPU run trained in fp32, resumed where ``--precision auto`` is now bf16 (a CPU
+    with AMX): refused, naming the difference and ``--precision float32``. Control: the
+    same precision resumes past this check; another difference gets no such hint."""
+    from eagle3fn.errors import RunError
+    from eagle3fn.train.checkpoint import check_resume
+
+    old = {"settings": {"precision": "float32", "lr": 1e-4}}
+    state = {"config": {"max_steps": None}, "fingerprint": old, "params": {}}
+    with pytest.raises(RunError, match="precision: float32 -> bfloat16.*pass --precision float32 to resume it"):
+        check_resume(pathlib.Path("run/checkpoint.pt"), state,
+                     {"settings": {**old["settings"], "precision": "bfloat16"}}, {}, max_steps=None)
+    check_resume(pathlib.Path("run/checkpoint.pt"), state, old, {}, max_steps=None)
+    with pytest.raises(RunError) as raised:
+        check_resume(pathlib.Path("run/checkpoint.pt"), state, {"settings": {**old["settings"], "lr": 2e-4}}, {},
+                     max_steps=None)
+    assert "lr" in str(raised.value) and "--precision" not in str(raised.value)

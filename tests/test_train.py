@@ -23,10 +23,11 @@ def workdir(tmp_path_factory):
 def config(workdir, out, **kw):
     """The tiny run most loop tests share: one conversation per batch row (``pack`` off:
     their counts of steps and their oracles are per conversation; packing has its own
-    exactness tests, tests/test_packing_io.py)."""
+    exactness tests, tests/test_packing_io.py), in fp32 whatever the host CPU (``auto``
+    is bf16 on a CPU with AMX: these tests compare against fp32 oracles and between paths)."""
     base = dict(model=str(workdir / "model"), data=str(workdir / "chat.jsonl"), out_dir=str(out),
                 draft_vocab_size=64, batch_size=2, epochs=2, ttt_length=3, save_every=2, lr=1e-3,
-                trim_loss_positions=True, pack=False)
+                trim_loss_positions=True, pack=False, precision="float32")
     return TrainConfig(**{**base, **kw})
 
 
@@ -96,7 +97,7 @@ def test_offline_cache_trains_like_online(workdir, tmp_path):
 
     cache = tmp_path / "cache"
     main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
-          "--out", str(cache), "--batch-size", "2", "--storage", "float32"])
+          "--out", str(cache), "--batch-size", "2", "--storage", "float32", "--model.dtype", "float32"])
     train(config(workdir, tmp_path / "online", epochs=1), log=lambda s: None)
     train(config(workdir, tmp_path / "offline", epochs=1, cache=str(cache)), log=lambda s: None)
     a, b = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
@@ -384,3 +385,18 @@ def test_every_ttt_setting_is_reachable_from_the_training_config(workdir, tmp_pa
     assert got.flex_kernel_options == (("num_warps", 4),)
     with pytest.raises(ValueError, match="not JSON"):
         TTTOptions(flex_kernel_options="{bad")
+
+
+def test_auto_precision_is_bf16_where_the_host_multiplies_bf16(monkeypatch):
+    """``--precision auto`` (and prepare's target and storage dtype) is bf16 on CUDA and
+    on a CPU with AMX, fp32 on other CPUs; eval keeps fp32 on every CPU; an explicit
+    precision wins. Control: the AMX flag is read (both answers seen)."""
+    from eagle3fn.cli.data import ModelSource
+    from eagle3fn.io.device import default_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert TrainConfig().compute_dtype(cpu) == want and ModelSource(path="m").torch_dtype(cpu) == want
+        assert TrainConfig(precision="float32").compute_dtype(cpu) == torch.float32
+        assert TrainConfig().compute_dtype(cuda) == torch.bfloat16 and default_dtype(cpu) == torch.float32

@@ -47,7 +47,7 @@ def torchrun(nproc, workdir, out, *extra):
            *([] if "--cache" in extra else ["--data", str(workdir / "chat.jsonl")]),  # never both
            "--out-dir", str(out), "--draft-vocab-size", "64",
            "--batch-size", "2", "--epochs", "1", "--ttt-length", "3", "--save-every", "2",
-           "--lr", "1e-3", "--trim", "backbone", "--loss.normalization", "token_mean", "--no-pack", *extra]
+           "--lr", "1e-3", "--precision", "float32", "--trim", "backbone", "--loss.normalization", "token_mean", "--no-pack", *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -103,7 +103,7 @@ def test_offline_cache_under_sequence_parallelism(workdir, tmp_path, one):  # no
 
     cache = tmp_path / "cache"
     main(["prepare", "--model.path", str(workdir / "model"), "--data.path", str(workdir / "chat.jsonl"),
-          "--out", str(cache), "--batch-size", "2", "--storage", "float32"])
+          "--out", str(cache), "--batch-size", "2", "--storage", "float32", "--model.dtype", "float32"])
     two = tmp_path / "two"
     torchrun(2, workdir, two, "--parallel.ring", "2", "--cache", str(cache))
     a, b = one, final_params(two)

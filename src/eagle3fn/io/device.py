@@ -22,6 +22,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def has_bf16_units(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices natively and faster than fp32: CUDA, and
+    CPUs with AMX tiles (Intel Sapphire Rapids and later; the target's forward there is
+    about 5x fp32's, docs/results.md "The CPU demo")."""
+    return device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_amx_tile_supported())
+
+
+def train_dtype(device: torch.device) -> torch.dtype:
+    """The training step's ``--precision auto`` on ``device``: bf16 where it has bf16 matrix
+    units (``has_bf16_units``; the masters stay fp32), fp32 elsewhere."""
+    return torch.bfloat16 if has_bf16_units(device) else torch.float32
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """The target's (and the offline cache's) dtype on ``device``: bf16 on CUDA, fp32 on CPU."""
+    """The dtype ``eagle3fn eval`` decodes in on ``device`` (``--dtype auto``): bf16 on
+    CUDA, fp32 on the CPU (bf16 with AMX is no faster there at batch 1, where decoding
+    is bound by the host, and rounds the target's argmax near-ties differently)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -198,6 +198,10 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
         hint = (f" (offline on CUDA a micro-batch is now one row of --batch-size x --max-length; this run was "
                 f"packed into rows of {old_rows['length']}: pass --pack-length {old_rows['length']} to resume it)"
                 if "rows" in new_rows and "rows" not in old_rows and "length" in old_rows else "")
+        old_precision = state["fingerprint"].get("settings", {}).get("precision")
+        if old_precision and old_precision != fingerprint.get("settings", {}).get("precision"):
+            hint += (f" (this run trained in {old_precision}; --precision auto is bf16 on CUDA and on a CPU with "
+                     f"AMX: pass --precision {old_precision} to resume it)")
         raise RunError(f"{path} was written by another run; it differs in: {'; '.join(differences)}{hint}. "
                        "Resume with the same settings, target, data and vocab map, or use another --out-dir")
     for name, p in trainable.items():

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from eagle3fn.io.device import default_dtype
+from eagle3fn.io.device import train_dtype
 from eagle3fn.io.packing import PACK_WINDOW
 from eagle3fn.loss import LossConfig
 from eagle3fn.parallel.mesh import ParallelConfig
@@ -103,8 +103,9 @@ def demo_preset() -> dict:
     instead of 22, too few for this CPU-sized schedule), and one training-time-test
     step (``ttt_length`` 1): the demo decodes with one draft token per round (the
     fastest k measured for a minutes-trained draft on the 2-core CPU), and on that CPU
-    the 66 steps then take 126 s instead of 222 s and reach a held-out first-token
-    accuracy of 0.19 instead of 0.16 (docs/results.md, "The CPU demo")."""
+    the 66 steps then take 126 s instead of 222 s in fp32 (64 s in bf16, ``--precision
+    auto`` on a CPU with AMX) and reach a held-out first-token accuracy of 0.19 instead
+    of 0.16 (docs/results.md, "The CPU demo")."""
     return {"draft_vocab_size": 8192, "max_length": 512, "lr": 1e-3, "epochs": 3,
             "eval_holdout": 8, "eval_every": 22, "pack": False, "ttt_length": 1}
 
@@ -234,8 +235,9 @@ class TrainConfig:
     """``cuda`` when available, else ``cpu``."""
     precision: Literal["auto", "bfloat16", "float32", "float64"] = "auto"
     """Compute dtype of the target and the draft step (masters stay fp32, fp64 with
-    float64): ``auto`` is bf16 on CUDA and fp32 on the CPU; float64 is for exactness
-    checks."""
+    float64): ``auto`` is bf16 on CUDA and on a CPU with AMX (bf16 matrix units: the
+    target's forward is about 5x fp32's there), fp32 on other CPUs; float64 is for
+    exactness checks."""
     compile_step: bool = False
     """Run each optimizer step (teacher, k TTT steps, loss, gradients, clip, AdamW) as
     one compiled graph per row bucket (``train.onegraph``): the same maths as the eager
@@ -413,5 +415,6 @@ class TrainConfig:
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the target and the draft step run in on ``device``: ``precision``,
-        where ``auto`` is bf16 on CUDA and fp32 on the CPU."""
-        return default_dtype(device) if self.precision == "auto" else _PRECISIONS[self.precision]
+        where ``auto`` is bf16 on CUDA and on CPUs with AMX, fp32 on other CPUs
+        (``io.device.train_dtype``)."""
+        return train_dtype(device) if self.precision == "auto" else _PRECISIONS[self.precision]
