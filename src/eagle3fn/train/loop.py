@@ -23,7 +23,9 @@ one) are decoded by speculative decoding for the acceptance length, whose best v
 so far keeps ``checkpoint-best.pt`` beside the last checkpoint (its record survives a
 resume), and the prompts are saved with the checkpoint for ``eagle3fn eval``. Checkpoints hold the masters, the optimizer, the
 step, the data position, the RNG state and the run fingerprint; ``train`` resumes from
-the one in ``out_dir`` and continues the same loss curve.
+the one in ``out_dir`` and continues the same loss curve. On a device that compiles,
+``compile-cache.bin`` keeps the run's compiled kernels beside the checkpoint and a resume
+loads it first (``compile_cache``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from eagle3fn.io.stop import Stopped, StopRequest, graceful_stop
 from eagle3fn.parallel import all_reduce, is_main
 from eagle3fn.train.build import Run, build_run, check_inputs, open_out_dir
 from eagle3fn.train.checkpoint import BEST, CHECKPOINT, best_record
+from eagle3fn.train.compile_cache import CompileCacheWriter, load_compile_cache
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.evaluate import evaluate_holdout, holdout_acceptance
 from eagle3fn.train.metrics import MetricsLog, read_metrics
@@ -116,7 +119,8 @@ def compile_notice() -> str:
 
     return ("compiling: the first steps compile the draft's kernels with torch.compile (slowest on a "
             f"machine's first run; later runs reuse inductor's cache in {cache_dir()}, "
-            "TORCHINDUCTOR_CACHE_DIR to move it)")
+            "TORCHINDUCTOR_CACHE_DIR to move it, and a resume anywhere reuses the run's own copy, "
+            "compile-cache.bin in its out_dir)")
 
 
 def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) -> dict:
@@ -135,8 +139,11 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
         f"Vd={run.draft_cfg.draft_vocab_size} k={cfg.ttt_length} trim={cfg.trim_mode}; "
         f"{len(run.examples)} conversations in {len(run.source.items)} batches/epoch, {len(run.held)} held "
         f"out; {run.total} optimizer steps on {run.device} ({str(run.precision).removeprefix('torch.')})")
+    writer = None
     if compile_backend(run.device) is not None:
         log(compile_notice())
+        load_compile_cache(run.out, log)
+        writer = CompileCacheWriter(run.out, log) if is_main() else None
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     if signum := _agreed_before_start(run, stop):  # during the load: nothing new to save
@@ -154,6 +161,8 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
                 best = _evaluate(run, metrics, log, best, **accept)
             if run.step % save_every == 0 or run.step == run.total:
                 run.save()
+                if writer is not None:
+                    writer.update()
             if on_step is not None:
                 on_step(run.step)
             if signum := _agreed(run, result, stop):
@@ -166,6 +175,8 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
                 break
     progress.close()
     run.save()
+    if writer is not None:
+        writer.update()
     metrics.close()
     if is_main() and read_metrics(run.out / METRICS):
         plot_metrics(run.out / METRICS, run.out / "loss.png", log=log)
