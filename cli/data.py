@@ -10,7 +10,7 @@ import torch
 import tyro
 
 from eagle3fn.errors import RunError, UsageError
-from eagle3fn.io.device import resolve_device, train_dtype
+from eagle3fn.io.device import default_dtype, resolve_device
 from eagle3fn.io.paths import claim_dir
 from eagle3fn.io.stop import graceful_stop
 from eagle3fn.io.regenerate import GenerationConfig
@@ -25,8 +25,7 @@ class ModelSource:
     gguf_file: str | None = None
     """A GGUF file inside ``path`` to load from (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights dtype of the target (auto: bfloat16 on CUDA and on a CPU with AMX, float32
-    on other CPUs: the training's ``--precision auto``)."""
+    """Weights dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)."""
     device: str = "auto"
     """Device to run the target on (auto: cuda when a GPU is visible, else cpu)."""
 
@@ -39,7 +38,7 @@ class ModelSource:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """``dtype`` resolved for ``device``."""
-        return train_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        return default_dtype(device) if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)
@@ -138,8 +137,8 @@ class PrepareArgs:
     aux_layer_ids: tuple[int, int, int] | None = None
     """Output-of-layer ids captured (default [1, N//2-1, N-4])."""
     storage: Literal["auto", "bfloat16", "float32"] = "auto"
-    """dtype of the cached aux features, final hidden and head (auto: bfloat16 on CUDA and
-    on a CPU with AMX, float32 on other CPUs: the training's ``--precision auto``)."""
+    """dtype of the cached aux features, final hidden and head (auto: bfloat16 when the
+    target runs on CUDA, float32 on the CPU)."""
     aux_dtype: Literal["storage", "float8_e4m3"] = "storage"
     """dtype of the cached aux features: as --storage, or float8_e4m3 with one fp32 scale
     per token and aux layer (about half the bytes of bfloat16; lossy, see docs/reference/what-the-cache-stores.md)."""
@@ -171,7 +170,7 @@ def prepare(args: PrepareArgs) -> None:
 
     device = args.model.torch_device()
     dtype = args.model.torch_dtype(device)
-    storage = train_dtype(device) if args.storage == "auto" else getattr(torch, args.storage)
+    storage = default_dtype(device) if args.storage == "auto" else getattr(torch, args.storage)
     _check_inputs(args.model, args.data, weights=True)
     fingerprint = {"target": target_fingerprint(args.model.path, args.model.gguf_file),
                    "target_dtype": str(dtype).removeprefix("torch."),

@@ -388,15 +388,15 @@ def test_every_ttt_setting_is_reachable_from_the_training_config(workdir, tmp_pa
 
 
 def test_auto_precision_is_bf16_where_the_host_multiplies_bf16(monkeypatch):
-    """``--precision auto`` (and prepare's target and storage dtype) is bf16 on CUDA and
-    on a CPU with AMX, fp32 on other CPUs; eval keeps fp32 on every CPU; an explicit
-    precision wins. Control: the AMX flag is read (both answers seen)."""
+    """``--precision auto`` is bf16 on CUDA and on a CPU with AMX, fp32 on other CPUs;
+    eval and prepare keep fp32 on every CPU; an explicit precision wins. Control: the
+    AMX flag is read (both answers seen)."""
     from eagle3fn.cli.data import ModelSource
     from eagle3fn.io.device import default_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        assert TrainConfig().compute_dtype(cpu) == want and ModelSource(path="m").torch_dtype(cpu) == want
+        assert TrainConfig().compute_dtype(cpu) == want and ModelSource(path="m").torch_dtype(cpu) == torch.float32
         assert TrainConfig(precision="float32").compute_dtype(cpu) == torch.float32
         assert TrainConfig().compute_dtype(cuda) == torch.bfloat16 and default_dtype(cpu) == torch.float32

@@ -36,7 +36,9 @@ def train_dtype(device: torch.device) -> torch.dtype:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """The dtype ``eagle3fn eval`` decodes in on ``device`` (``--dtype auto``): bf16 on
-    CUDA, fp32 on the CPU (bf16 with AMX is no faster there at batch 1, where decoding
-    is bound by the host, and rounds the target's argmax near-ties differently)."""
+    """The dtype ``eagle3fn eval`` decodes in and ``prepare`` runs the target and stores
+    its cache in (their ``auto``): bf16 on CUDA, fp32 on the CPU (a bf16 cache is lossy,
+    and bf16 decoding on the CPU is no faster at batch 1, where the host bounds it, and
+    rounds the target's argmax near-ties differently). Training converts a cache to its
+    own compute dtype (``train_dtype``)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
