@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -68,6 +68,31 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
                t2d=_t2d(d2t, draft_cfg.vocab_size))
 
 
+def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device
+                ) -> tuple[list[list], list[float]]:
+    """Run every side on every batch, batch by batch, the sides' order alternating
+    (A B, B A, A B, ...), each call timed alone (synchronised on CUDA): a machine whose
+    speed drifts during the measurement (a shared CPU, clocks) shifts both sides alike,
+    which timing one side's batches and then the other's does not. On CUDA each side
+    first runs the first batch once untimed (compilation, graph recording). Returns each
+    side's outputs (concatenated in batch order) and its seconds."""
+    if device.type == "cuda":
+        for side in sides:
+            side(batches[0])
+        torch.cuda.synchronize(device)
+    outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
+    for i, batch in enumerate(batches):
+        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        for j in order:
+            t0 = time.perf_counter()
+            got = sides[j](batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[j] += time.perf_counter() - t0
+            outputs[j].extend(got)
+    return outputs, seconds
+
+
 def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_cfg: DraftConfig,
              d2t: torch.Tensor, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *,
              tokenizer=None, batch_size: int = 8, baseline: bool = True,
@@ -83,9 +108,11 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         baseline: also time the target alone (the speedup's denominator), on the
             decoding path of ``impl`` (``target_generate(impl=impl)``).
         impl: ``generate``'s implementation (None: ``default_impl``, ``"graph"`` on CUDA).
-            With ``"graph"`` both sides keep their recorded CUDA graphs across batches
-            (a ``decoding.GraphPool``, emptied after each side). On CUDA each side's
-            first batch runs once untimed before its timing (compilation, recordings).
+            With ``"graph"`` each side keeps its recorded CUDA graphs across batches
+            (a ``decoding.GraphPool`` each, both held until the end). On CUDA each side's
+            first batch runs once untimed before the timing (compilation, recordings).
+            The two sides run batch by batch, alternating which goes first
+            (``interleaved``), so a drift in the machine's speed shifts both alike.
 
     Returns:
         ``acceptance_length`` (mean of ``accepted + 1`` over the rounds of all
@@ -111,37 +138,34 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     impl = default_impl(target, draft_params) if impl is None else impl
 
-    def timed(fn):
-        if device.type == "cuda":  # one untimed batch first: kernel compilation, graph recording
-            fn(batches[0])
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = [r for batch in batches for r in fn(batch)]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return out, time.perf_counter() - t0
+    def spec(batch):
+        return generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg, impl=impl, pool=pools[0])
 
-    pool = GraphPool()  # both sides record once per shape and replay for every batch, as a server
-    results, seconds = timed(lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t,
-                                                    batch, cfg, impl=impl, pool=pool))
-    pool.clear()
+    def alone(batch):
+        return target_generate(target, tokenizer, batch, cfg, impl=impl, pool=pools[1])
+
+    # Each side keeps its recorded CUDA graphs across batches, as a server (one pool each).
+    pools = (GraphPool(), GraphPool())
+    sides = (spec, alone) if baseline else (spec,)
+    outputs, seconds = interleaved(sides, batches, device)
+    for pool in pools:
+        pool.clear()
+    results = outputs[0]
     rounds = [n for r in results for n in r.accepted_per_round]
     length, per_position = acceptance_stats(rounds, cfg.num_draft_tokens)
     tokens = sum(len(r.tokens) for r in results)
     out = {"acceptance_length": length, "per_position_acceptance": per_position,
            "n_prompts": len(prompts), "tokens": tokens, "rounds": len(rounds),
            "target_forwards": sum(r.target_forwards for r in results),
-           "seconds": seconds, "tokens_per_s": tokens / seconds, "impl": impl}
+           "seconds": seconds[0], "tokens_per_s": tokens / seconds[0], "impl": impl}
     if baseline:
-        alone, target_seconds = timed(lambda batch: target_generate(target, tokenizer, batch, cfg, impl=impl,
-                                                                    pool=pool))
-        pool.clear()
-        target_tps = sum(map(len, alone)) / target_seconds
+        alone_out, target_seconds = outputs[1], seconds[1]
+        target_tps = sum(map(len, alone_out)) / target_seconds
         out.update(target_seconds=target_seconds, target_tokens_per_s=target_tps,
                    speedup=out["tokens_per_s"] / target_tps,
-                   same_as_target=sum(a == r.tokens for a, r in zip(alone, results)))
+                   same_as_target=sum(a == r.tokens for a, r in zip(alone_out, results)))
         if cfg.temperature == 0:  # raises OutputMismatch unless every difference is a near-tie
-            report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
+            report = check_identity(target.model, prompts, alone_out, [r.tokens for r in results])
             out.update(identity=report.line(), near_ties=len(report.near_ties))
     sequences = [torch.cat((p, p.new_tensor(r.tokens))) for p, r in zip(prompts, results)]
     sim = simulated_tau(target, draft_params, draft_cfg, d2t, sequences,
