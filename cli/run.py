@@ -136,7 +136,8 @@ class EvalArgs:
     """0 = greedy verification; else the standard rejection rule at this temperature."""
     batch_size: tuple[int, ...] = (8,)
     """Prompts decoded together (each row accepts on its own); several (``--batch-size 1 4
-    16``) measure each (the target alone timed once per batch size)."""
+    16``) measure each (the target alone timed again beside each k, batch by batch in
+    alternating order)."""
     baseline: bool = True
     """Also time the target alone on the same batches (the speedup's denominator)."""
     untrained: bool = False

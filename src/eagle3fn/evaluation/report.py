@@ -68,18 +68,20 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
                t2d=_t2d(d2t, draft_cfg.vocab_size))
 
 
-def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device
-                ) -> tuple[list[list], list[float]]:
+def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device,
+                warmup: bool | None = None) -> tuple[list[list], list[float]]:
     """Run every side on every batch, batch by batch, the sides' order alternating
     (A B, B A, A B, ...), each call timed alone (synchronised on CUDA): a machine whose
     speed drifts during the measurement (a shared CPU, clocks) shifts both sides alike,
-    which timing one side's batches and then the other's does not. On CUDA each side
-    first runs the first batch once untimed (compilation, graph recording). Returns each
-    side's outputs (concatenated in batch order) and its seconds."""
-    if device.type == "cuda":
+    which timing one side's batches and then the other's does not. With ``warmup``
+    (None: on CUDA) each side first runs the first batch once untimed (compilation,
+    graph recording). Returns each side's outputs (concatenated in batch order) and its
+    seconds."""
+    if device.type == "cuda" if warmup is None else warmup:
         for side in sides:
             side(batches[0])
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
     for i, batch in enumerate(batches):
         order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))

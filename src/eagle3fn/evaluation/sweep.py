@@ -1,21 +1,22 @@
 """Speculative decoding over a grid of k (draft tokens per round) and batch sizes.
 
-For each batch size ``b`` the prompts are decoded in batches of ``b`` by the target
-alone (the speedup's denominator, timed once per ``b``) and, for each ``k``, by
-speculative decoding (``generation.generate``), each timed after one untimed warm-up
-batch (CUDA context, allocator blocks and graph recordings are not charged to the
-first timed configuration). The target alone runs on the decoding path of the
+For each batch size ``b`` and each ``k`` the prompts are decoded in batches of ``b`` by
+speculative decoding (``generation.generate``) and by the target alone (the speedup's
+denominator, timed again beside every ``k``), batch by batch in alternating order
+(``report.interleaved``: a drift in the machine's speed shifts both sides alike), after
+one untimed warm-up batch of each (CUDA context, allocator blocks and graph recordings
+are not charged to the first timed configuration). The target alone runs on the decoding path of the
 implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
 a static cache and CUDA graphs on both sides). Both sides keep their recorded graphs
-across the batches of a configuration (a ``decoding.GraphPool``, columns rounded up to
-its ``COLUMN_ALIGN``, emptied after each configuration, which holds its caches): each
+across batches (a ``decoding.GraphPool`` each, columns rounded up to its
+``COLUMN_ALIGN``; the draft's emptied after each configuration, the target's after each
+batch size): each
 shape is recorded once, as a server records at start-up, not once per batch. Greedy outputs are held to the target alone's
 (``identity.check_identity``) in every configuration.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from eagle3fn.evaluation.baseline import target_generate
 from eagle3fn.evaluation.config import SpecConfig
 from eagle3fn.evaluation.generation import default_impl, generate
 from eagle3fn.evaluation.identity import check_identity
+from eagle3fn.evaluation.report import interleaved
 from eagle3fn.evaluation.results import acceptance_stats
 
 
@@ -37,16 +39,6 @@ def implied_acceptance_length(acc: Sequence[float], k: int) -> float:
         run *= float(a)
         out += run
     return out
-
-
-def _timed(device: torch.device, fn: Callable[[], list]) -> tuple[list, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
 
 
 def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.Tensor,
@@ -68,34 +60,33 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
 
     Returns ``{"rows": [...], "best": {b: row}}``; each row has ``batch_size``, ``k``,
     ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
-    ``tokens``, ``seconds``, ``tokens_per_s``, ``target_tokens_per_s``, ``speedup``, ``impl`` and
+    ``tokens``, ``seconds``, ``tokens_per_s``, ``target_seconds`` and ``target_tokens_per_s``
+    (the target alone, timed beside this k), ``speedup``, ``impl`` and
     (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k.
     """
     device = target.lm_head.weight.device
     impl = default_impl(target, draft_params) if impl is None else impl
     prompts = [p.reshape(-1).to(device) for p in prompts]
     rows, best = [], {}
-    pool = GraphPool()  # both sides record once per shape and replay for every batch, as a server
+    spec_pool, alone_pool = GraphPool(), GraphPool()  # each side records once per shape, as a server
     for b in batch_sizes:
         batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed)
         alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl,  # noqa: E731
-                                                  pool=pool)
+                                                  pool=alone_pool)
         if warmup:
             alone_run(batches[0])
-        alone, alone_s = _timed(device, lambda: [t for batch in batches for t in alone_run(batch)])
-        pool.clear()  # no later configuration reuses these shapes: their memory goes now
-        alone_tps = sum(map(len, alone)) / alone_s
         for k in ks:
             cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
                              temperature=temperature, seed=seed)
             run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
-                                         impl=impl, pool=pool)
+                                         impl=impl, pool=spec_pool)
             if warmup:
                 run(batches[0])
-            results, seconds = _timed(device, lambda: [r for batch in batches for r in run(batch)])
-            pool.clear()
+            (results, alone), (seconds, alone_s) = interleaved((run, alone_run), batches, device, warmup=False)
+            spec_pool.clear()
+            alone_tps = sum(map(len, alone)) / alone_s
             counts = [n for r in results for n in r.accepted_per_round]
             length, per_position = acceptance_stats(counts, k)
             tokens = sum(len(r.tokens) for r in results)
@@ -114,5 +105,6 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
                 + (f"; {row['identity']}" if "identity" in row else ""))
             if on_row is not None:
                 on_row(rows)
+        alone_pool.clear()  # no later configuration reuses these shapes: their memory goes now
         best[b] = max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
     return {"rows": rows, "best": best}
