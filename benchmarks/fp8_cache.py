@@ -153,7 +153,8 @@ def config(args: Args, model: Path, cache: Path, out_dir: Path, **kw):
         f.name == "eval_accept_prompts" for f in dataclasses.fields(TrainConfig)) else {}
     return TrainConfig(model=str(model), cache=str(cache), out_dir=str(out_dir), max_length=args.max_length,
                        draft_vocab_size=args.draft_vocab_size, lr=args.lr, epochs=args.epochs, seed=args.seed,
-                       eval_holdout=args.eval_holdout, save_every=10 ** 6, device="cpu", **extra, **kw)
+                       eval_holdout=args.eval_holdout, save_every=10 ** 6, device="cpu", precision="float32",
+                       **extra, **kw)
 
 
 def first_grads(cfg) -> dict[str, torch.Tensor]:

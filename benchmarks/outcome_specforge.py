@@ -132,6 +132,20 @@ class OutcomeArgs:
     """``cuda`` when available, else ``cpu``."""
 
 
+def resolved_device(args: OutcomeArgs):
+    """``args.device`` with ``auto`` resolved (CUDA when visible, else the CPU)."""
+    import torch
+
+    return torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                        else "cpu" if args.device == "auto" else args.device)
+
+
+def precision(args: OutcomeArgs) -> str:
+    """The compute dtype of both sides: SpecForge's (bf16 on CUDA, fp32 on the CPU), which
+    the eagle3fn run is given explicitly (its ``auto`` is bf16 on a CPU with AMX)."""
+    return "bfloat16" if resolved_device(args).type == "cuda" else "float32"
+
+
 def train_config(args: OutcomeArgs):
     """The ``eagle3fn train`` config these flags mirror (its checks run here too)."""
     from eagle3fn.loss import LossConfig
@@ -143,7 +157,8 @@ def train_config(args: OutcomeArgs):
                        loss=LossConfig(step_weight_decay=args.step_weight_decay), lr=args.lr,
                        warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                        batch_size=args.batch_size, grad_accum=args.grad_accum, epochs=args.epochs,
-                       max_steps=args.max_steps, seed=args.seed, eval_holdout=args.eval_holdout)
+                       max_steps=args.max_steps, seed=args.seed, eval_holdout=args.eval_holdout,
+                       precision=precision(args))
 
 
 def eagle3fn_command(args: OutcomeArgs, total: int) -> str:
@@ -153,7 +168,7 @@ def eagle3fn_command(args: OutcomeArgs, total: int) -> str:
              "--max-steps", total, "--seed", args.seed, "--lr", args.lr, "--warmup-ratio", args.warmup_ratio,
              "--weight-decay", args.weight_decay, "--grad-clip", args.grad_clip, "--ttt-length", args.ttt_length,
              "--loss.step-weight-decay", args.step_weight_decay, "--draft-vocab-size", args.draft_vocab_size,
-             "--eval-holdout", args.eval_holdout, "--on-error", args.on_error]
+             "--eval-holdout", args.eval_holdout, "--on-error", args.on_error, "--precision", precision(args)]
     if args.vocab_map:
         flags += ["--vocab-map", args.vocab_map]
     if args.aux_layer_ids:
@@ -287,8 +302,7 @@ def main(args: OutcomeArgs) -> dict:
     from meta import run_metadata
 
     cfg = train_config(args)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if args.device == "auto" else args.device)
+    device = resolved_device(args)
     out_dir = Path(args.out_dir)
     out_json = Path(args.json) if args.json else out_dir / "outcome_specforge.json"
     model_config = AutoConfig.from_pretrained(args.model)

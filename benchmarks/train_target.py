@@ -125,7 +125,8 @@ def word_tokenizer(vocab_size: int):
 
 def build_target(shape: Shape, path: Path, device: str, seed: int) -> float:
     """Save a random-weight target of ``shape`` and its tokenizer to ``path``, built on
-    ``device`` in the compute dtype (bf16 on CUDA, fp32 on the CPU); reuses what a
+    ``device`` in the compute dtype (bf16 on CUDA and on a CPU with AMX, fp32 on other
+    CPUs); reuses what a
     previous call with the same arguments left there. Returns the seconds spent
     (0 when reused)."""
     import torch

@@ -128,8 +128,8 @@ class EvalArgs:
     is an error, never a silently smaller set."""
     num_draft_tokens: tuple[int, ...] = (6,)
     """Draft tokens proposed per round (k); several (``--num-draft-tokens 1 2 3 4 5 6 7``)
-    sweep them, each timed against the same target-alone run, and report the fastest k per
-    batch size."""
+    sweep them, each timed beside its own run of the target alone, and report the fastest k
+    per batch size."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
     temperature: float = 0.0

@@ -14,6 +14,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+from test_train import workdir  # noqa: F401 - the tiny target + data fixture
+
+from eagle3fn.train.compile_cache import COMPILE_CACHE
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
@@ -67,3 +72,42 @@ def test_an_unreadable_compile_cache_is_reported_and_ignored(tmp_path):
     assert load_compile_cache(tmp_path, lines.append) == 0
     assert len(lines) == 1 and "could not load" in lines[0] and COMPILE_CACHE in lines[0]
     assert load_compile_cache(tmp_path / "absent", lines.append) == 0 and len(lines) == 1
+
+
+def test_the_loop_writes_the_cache_after_a_checkpoint_and_on_a_stop(workdir, tmp_path, monkeypatch):  # noqa: F811
+    """The training loop's wiring: a run that compiled graphs writes the cache after a
+    checkpoint, and a run stopped by SIGTERM between checkpoints writes it with the
+    stop's own save (a preempted run resumes warm elsewhere). Compilation is simulated
+    (dynamo's graph counter grows at every read, the artifacts are fixed bytes) on a
+    tiny CPU run. Control: a run that compiled nothing writes no file."""
+    import signal
+    import time
+
+    import torch
+    from test_train import config
+    from torch.compiler._cache import CacheInfo
+
+    from eagle3fn.io.stop import Stopped
+    from eagle3fn.train import compile_cache, train
+
+    info = CacheInfo()
+    info.artifacts["inductor"].append("key")
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", info))
+    monkeypatch.setattr(compile_cache, "_graphs", lambda: 0)  # the control: nothing compiled
+    train(config(workdir, tmp_path / "none", max_steps=2), log=lambda s: None)
+    assert not (tmp_path / "none" / COMPILE_CACHE).exists()
+
+    graphs = iter(range(10 ** 6))
+    monkeypatch.setattr(compile_cache, "_graphs", lambda: next(graphs))  # new graphs at every read
+    train(config(workdir, tmp_path / "saved", max_steps=2), log=lambda s: None)
+    assert (tmp_path / "saved" / COMPILE_CACHE).read_bytes() == b"artifacts"
+
+    def stop_at_1(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs between bytecodes
+
+    with pytest.raises(Stopped):
+        train(config(workdir, tmp_path / "stopped", max_steps=4, save_every=1000), log=lambda s: None,
+              on_step=stop_at_1)
+    assert (tmp_path / "stopped" / COMPILE_CACHE).read_bytes() == b"artifacts"

@@ -310,7 +310,8 @@ def test_presets_fill_fields_left_at_their_defaults(workdir, tmp_path):
 
 def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys, monkeypatch):
     """--untrained evaluates exactly the weights training started from (an optimizer
-    step that does nothing keeps them), for the run's seed."""
+    step that does nothing keeps them), for the run's seed and its precision (a bf16 run
+    copied a rounded head, whatever dtype eval loads the target in)."""
     from eagle3fn.cli.main import main
     from eagle3fn.io.target import load_target
     from eagle3fn.train import initial_params, load_run
@@ -325,6 +326,16 @@ def test_untrained_eval_is_the_step_0_draft(workdir, tmp_path, capsys, monkeypat
     assert start.keys() == run["params"].keys() and all(torch.equal(start[n], run["params"][n]) for n in start)
     other = initial_params({**run, "config": {**run["config"], "seed": 4}}, target)
     assert not torch.equal(other["fc.weight"], start["fc.weight"])
+    with monkeypatch.context() as m:  # a bf16 run (auto on a CPU with AMX): the head it copied was rounded
+        m.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: None)
+        train(config(workdir, tmp_path / "bf16", max_steps=1, seed=3, eval_holdout=2, precision="bfloat16"),
+              log=lambda s: None)
+    run16 = load_run(tmp_path / "bf16")
+    start16 = initial_params(run16, target)  # the target loaded in fp32, as eval does on the CPU
+    assert run16["precision"] == "bfloat16" and run["precision"] == "float32"
+    assert all(torch.equal(start16[n], run16["params"][n]) for n in start16)
+    unrounded = initial_params({**run16, "precision": None}, target)  # control: the fp32 head differs
+    assert not torch.equal(unrounded["lm_head.weight"], run16["params"]["lm_head.weight"])
     main(["eval", "--run", str(out), "--num-prompts", "2", "--max-new-tokens", "4", "--untrained"])
     printed = capsys.readouterr().out
     assert "untrained draft (step 0), 2 held-out prompts" in printed and "note:" not in printed

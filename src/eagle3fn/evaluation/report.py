@@ -73,15 +73,17 @@ def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], de
     """Run every side on every batch, batch by batch, the sides' order alternating
     (A B, B A, A B, ...), each call timed alone (synchronised on CUDA): a machine whose
     speed drifts during the measurement (a shared CPU, clocks) shifts both sides alike,
-    which timing one side's batches and then the other's does not. With ``warmup``
+    which timing one side's batches and then the other's does not. Both sides' state
+    (their static caches and recorded graphs, when they pool them) is then alive at
+    once: about twice one side's cache memory. With ``warmup``
     (None: on CUDA) each side first runs the first batch once untimed (compilation,
     graph recording). Returns each side's outputs (concatenated in batch order) and its
     seconds."""
     if device.type == "cuda" if warmup is None else warmup:
         for side in sides:
             side(batches[0])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
     for i, batch in enumerate(batches):
         order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))

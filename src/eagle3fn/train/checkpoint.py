@@ -198,8 +198,10 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
         hint = (f" (offline on CUDA a micro-batch is now one row of --batch-size x --max-length; this run was "
                 f"packed into rows of {old_rows['length']}: pass --pack-length {old_rows['length']} to resume it)"
                 if "rows" in new_rows and "rows" not in old_rows and "length" in old_rows else "")
-        old_precision = state["fingerprint"].get("settings", {}).get("precision")
-        if old_precision and old_precision != fingerprint.get("settings", {}).get("precision"):
+        old_settings, new_settings = state["fingerprint"].get("settings", {}), fingerprint.get("settings", {})
+        old_precision = old_settings.get("precision")
+        if (old_precision and old_precision != new_settings.get("precision")
+                and old_settings.get("device") == new_settings.get("device")):  # not the fix across devices
             hint += (f" (this run trained in {old_precision}; --precision auto is bf16 on CUDA and on a CPU with "
                      f"AMX: pass --precision {old_precision} to resume it)")
         raise RunError(f"{path} was written by another run; it differs in: {'; '.join(differences)}{hint}. "
@@ -226,8 +228,9 @@ def load_run(out_dir: str | os.PathLike, *, best: bool = False) -> dict:
     """A finished (or interrupted) run: ``params`` (trainable, fp32, by name),
     ``draft`` (DraftConfig), ``d2t``/``t2d``, ``config`` (TrainConfig fields),
     ``aux_layer_ids``, ``step``, ``holdout_prompts`` (token id lists, one per
-    held-out conversation; empty without --eval-holdout) and ``best`` (the acceptance
-    record, or None). ``best=True`` reads checkpoint-best.pt instead of the last
+    held-out conversation; empty without --eval-holdout), ``best`` (the acceptance
+    record, or None) and ``precision`` (the compute dtype it trained in, e.g.
+    ``"bfloat16"``; None for a checkpoint without a fingerprint). ``best=True`` reads checkpoint-best.pt instead of the last
     checkpoint. RunError for a checkpoint that cannot be used (``read_checkpoint``)."""
     from eagle3fn.io.vocab_io import load_vocab_map
 
@@ -245,14 +248,18 @@ def load_run(out_dir: str | os.PathLike, *, best: bool = False) -> dict:
                               draft_vocab_size=draft_cfg.draft_vocab_size)
     return {"params": state["params"], "draft": draft_cfg, "d2t": d2t, "t2d": t2d,
             "config": state["config"], "aux_layer_ids": tuple(state["aux_layer_ids"]),
-            "step": state["step"], "holdout_prompts": state["holdout_prompts"], "best": state.get("best")}
+            "step": state["step"], "holdout_prompts": state["holdout_prompts"], "best": state.get("best"),
+            "precision": state.get("fingerprint", {}).get("settings", {}).get("precision")}
 
 
 def initial_params(run: dict, target) -> dict[str, torch.Tensor]:
     """The trainable draft weights a run started from (step 0): ``init_params`` with
     the run's seed, ``target``'s head rows and the run's vocab map, as ``train`` builds
-    them (on CPU in fp32; a bf16 CUDA target rounds the copied head)."""
+    them: the copied head rounded to the run's compute dtype first (``run["precision"]``,
+    bf16 on CUDA and on a CPU with AMX), whatever dtype ``target`` was loaded in."""
+    head = target.lm_head.weight.detach()
+    if run.get("precision") in ("bfloat16", "float32"):
+        head = head.to(getattr(torch, run["precision"]))
     params = init_params(run["draft"], embed_tokens=target.embed_tokens.float(),
-                         target_lm_head=target.lm_head.weight.detach().float(), t2d=run["t2d"],
-                         seed=run["config"]["seed"])
+                         target_lm_head=head.float(), t2d=run["t2d"], seed=run["config"]["seed"])
     return {n: p.detach() for n, p in params.items() if p.requires_grad}

@@ -8,13 +8,15 @@ under ``/tmp``): a second run there reuses it. What this adds is the portable co
 compiled or loaded (inductor's FX graphs, AOTAutograd's graphs, Triton kernels), and
 ``torch.compiler.load_cache_artifacts`` puts them back into the local caches before the
 first step compiles, which then hits them. Entries are keyed by the graph, the
-options, the device and the torch / Triton versions, so a file written elsewhere costs
-nothing where it does not apply (those graphs compile as usual).
+options, the device and the torch / Triton versions, so an entry written elsewhere is
+never used where it does not apply (those graphs compile as usual).
 
-Only devices that compile (``compiled.compile_backend``: CUDA, or CPU inside
-``compile_on_cpu``) read or write the file; rank 0 writes it (every rank compiles the
-same graphs). A file that cannot be read is reported in one line and the run compiles
-as if it were absent: it is a cache, never an input.
+Every run reads the file when it is there and rank 0 writes it after a checkpoint (or a
+stop) that follows new compilations (every rank compiles the same graphs), so a run that
+compiles nothing (the CPU without ``--compile-step``) never writes one. A file that
+cannot be read, or written, is reported in one line and the run goes on compiling as
+usual: it is a cache, never an input. Loading writes every entry of the file into the
+local caches, also those of another torch version, which then just never hit.
 """
 
 from __future__ import annotations
@@ -48,18 +50,25 @@ def load_compile_cache(out: Path, log: Callable[[str], None]) -> int:
 def save_compile_cache(out: Path, log: Callable[[str], None] | None = None) -> int:
     """Write every compile-cache artifact of this process to ``out / COMPILE_CACHE``
     (atomically: a temporary file renamed over the old one); returns how many (0: nothing
-    compiled, nothing written)."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return 0
-    data, info = saved
-    count = _count(info)
-    if not data or not count:
-        return 0
+    compiled, nothing written, or a write that failed: reported in one line, never
+    raised)."""
     path = out / COMPILE_CACHE
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return 0
+        data, info = saved
+        count = _count(info)
+        if not data or not count:
+            return 0
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except Exception as err:  # a cache: the checkpoint is already saved, the run goes on
+        tmp.unlink(missing_ok=True)
+        if log is not None:
+            log(f"compile cache: could not write {path} ({type(err).__name__}: {err}); a resume will compile")
+        return 0
     if log is not None:
         log(f"compile cache: saved {count} compiled artifacts ({len(data) / 2**20:.1f} MiB) to {path}")
     return count

@@ -23,8 +23,9 @@ one) are decoded by speculative decoding for the acceptance length, whose best v
 so far keeps ``checkpoint-best.pt`` beside the last checkpoint (its record survives a
 resume), and the prompts are saved with the checkpoint for ``eagle3fn eval``. Checkpoints hold the masters, the optimizer, the
 step, the data position, the RNG state and the run fingerprint; ``train`` resumes from
-the one in ``out_dir`` and continues the same loss curve. On a device that compiles,
-``compile-cache.bin`` keeps the run's compiled kernels beside the checkpoint and a resume
+the one in ``out_dir`` and continues the same loss curve. Where the run compiles
+(CUDA, or ``--compile-step``), ``compile-cache.bin`` keeps its compiled kernels beside the
+checkpoint (written after a save or a stop that follows new compilations) and a resume
 loads it first (``compile_cache``).
 """
 
@@ -139,11 +140,10 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
         f"Vd={run.draft_cfg.draft_vocab_size} k={cfg.ttt_length} trim={cfg.trim_mode}; "
         f"{len(run.examples)} conversations in {len(run.source.items)} batches/epoch, {len(run.held)} held "
         f"out; {run.total} optimizer steps on {run.device} ({str(run.precision).removeprefix('torch.')})")
-    writer = None
     if compile_backend(run.device) is not None:
         log(compile_notice())
-        load_compile_cache(run.out, log)
-        writer = CompileCacheWriter(run.out, log) if is_main() else None
+    load_compile_cache(run.out, log)  # nothing to do where nothing compiled (no file)
+    writer = CompileCacheWriter(run.out, log) if is_main() else None  # writes only after compilations
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     if signum := _agreed_before_start(run, stop):  # during the load: nothing new to save
@@ -168,6 +168,8 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
             if signum := _agreed(run, result, stop):
                 if not (run.step % save_every == 0 or run.step == run.total):  # not saved above
                     run.save()
+                    if writer is not None:  # a preempted run resumes warm on another machine
+                        writer.update()
                 progress.close()
                 metrics.close()
                 raise Stopped(signum, f"step {run.step}")

@@ -232,7 +232,7 @@ def offline_source(cfg: TrainConfig, device: torch.device, *, prefetch: int = 2)
     batch's conversations from their shards (``FeatureCache.read(i, conversations=)``)
     and gathering them into rows (``io.packing.gather_packed``), into pinned memory), the
     training thread only copies them to ``device`` (non-blocking) in the compute dtype
-    (a bf16 cache trains on the CPU in fp32) and records its wait
+    (a bf16 cache trains in fp32 on a CPU without AMX) and records its wait
     (``Source.take_wait``). The target head moves to the device once."""
     from eagle3fn.io.cache import FeatureCache
     from eagle3fn.io.data import Example
