@@ -168,10 +168,10 @@ def test_the_two_sides_are_timed_batch_by_batch_in_alternating_order(monkeypatch
     during the measurement (a fake clock: every call costs one unit more than the one
     before) two equal sides get equal times. Control: timing one side's batches and then
     the other's, on the same machine, does not."""
-    from eagle3fn.evaluation import report
+    from eagle3fn.evaluation import timing
 
     now, calls, cost = [0.0], [], [0]
-    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
 
     def side(name):
         def run(batch):
@@ -182,11 +182,11 @@ def test_the_two_sides_are_timed_batch_by_batch_in_alternating_order(monkeypatch
         return run
 
     batches = [[0], [1], [2], [3]]
-    outputs, seconds = report.interleaved([side("s"), side("a")], batches, torch.device("cpu"))
+    outputs, seconds = timing.interleaved([side("s"), side("a")], batches, torch.device("cpu"))
     assert calls == [("s", 0), ("a", 0), ("a", 1), ("s", 1), ("s", 2), ("a", 2), ("a", 3), ("s", 3)]
     assert outputs == [["s0", "s1", "s2", "s3"], ["a0", "a1", "a2", "a3"]]
     assert seconds == [1 + 4 + 5 + 8, 2 + 3 + 6 + 7]
     cost[0] = 0  # the control: one side after the other
-    _, first = report.interleaved([side("s")], batches, torch.device("cpu"))
-    _, second = report.interleaved([side("a")], batches, torch.device("cpu"))
+    _, first = timing.interleaved([side("s")], batches, torch.device("cpu"))
+    _, second = timing.interleaved([side("a")], batches, torch.device("cpu"))
     assert (first[0], second[0]) == (1 + 2 + 3 + 4, 5 + 6 + 7 + 8)

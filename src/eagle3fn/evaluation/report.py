@@ -9,8 +9,7 @@ per round, V target vocab, Vd draft vocab.
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -22,6 +21,7 @@ from eagle3fn.evaluation.config import SpecConfig, prompt_list
 from eagle3fn.evaluation.generation import default_impl, generate
 from eagle3fn.evaluation.identity import check_identity
 from eagle3fn.evaluation.results import acceptance_stats
+from eagle3fn.evaluation.timing import interleaved
 from eagle3fn.io.target import TargetModel, target_features
 from eagle3fn.rowmap import build_rowmap
 from eagle3fn.shapes import Objective
@@ -66,35 +66,6 @@ def simulated_tau(target: TargetModel, draft_params: dict[str, torch.Tensor],
     config = TTTConfig(draft=draft_cfg, ttt_length=ttt_length, fused_head=False)
     return ttt(draft_params, features, rowmap, config, d2t=d2t,
                t2d=_t2d(d2t, draft_cfg.vocab_size))
-
-
-def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device,
-                warmup: bool | None = None) -> tuple[list[list], list[float]]:
-    """Run every side on every batch, batch by batch, the sides' order alternating
-    (A B, B A, A B, ...), each call timed alone (synchronised on CUDA): a machine whose
-    speed drifts during the measurement (a shared CPU, clocks) shifts both sides alike,
-    which timing one side's batches and then the other's does not. Both sides' state
-    (their static caches and recorded graphs, when they pool them) is then alive at
-    once: about twice one side's cache memory. With ``warmup``
-    (None: on CUDA) each side first runs the first batch once untimed (compilation,
-    graph recording). Returns each side's outputs (concatenated in batch order) and its
-    seconds."""
-    if device.type == "cuda" if warmup is None else warmup:
-        for side in sides:
-            side(batches[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
-    for i, batch in enumerate(batches):
-        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
-        for j in order:
-            t0 = time.perf_counter()
-            got = sides[j](batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds[j] += time.perf_counter() - t0
-            outputs[j].extend(got)
-    return outputs, seconds
 
 
 def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_cfg: DraftConfig,

@@ -3,15 +3,15 @@
 For each batch size ``b`` and each ``k`` the prompts are decoded in batches of ``b`` by
 speculative decoding (``generation.generate``) and by the target alone (the speedup's
 denominator, timed again beside every ``k``), batch by batch in alternating order
-(``report.interleaved``: a drift in the machine's speed shifts both sides alike), after
+(``timing.interleaved``: a drift in the machine's speed shifts both sides alike), after
 one untimed warm-up batch of each (CUDA context, allocator blocks and graph recordings
-are not charged to the first timed configuration). The target alone runs on the decoding path of the
-implementation (``target_generate(impl=...)``: with ``"graph"``, the default on CUDA,
-a static cache and CUDA graphs on both sides). Both sides keep their recorded graphs
-across batches (a ``decoding.GraphPool`` each, columns rounded up to its
+are not charged to the first timed configuration). The target alone runs on the
+decoding path of the implementation (``target_generate(impl=...)``: with ``"graph"``, the
+default on CUDA, a static cache and CUDA graphs on both sides). Both sides keep their
+recorded graphs across batches (a ``decoding.GraphPool`` each, columns rounded up to its
 ``COLUMN_ALIGN``; the draft's emptied after each configuration, the target's after each
-batch size): each
-shape is recorded once, as a server records at start-up, not once per batch. Greedy outputs are held to the target alone's
+batch size): each shape is recorded once, as a server records at start-up, not once per
+batch. Greedy outputs are held to the target alone's
 (``identity.check_identity``) in every configuration.
 """
 
@@ -26,8 +26,8 @@ from eagle3fn.evaluation.baseline import target_generate
 from eagle3fn.evaluation.config import SpecConfig
 from eagle3fn.evaluation.generation import default_impl, generate
 from eagle3fn.evaluation.identity import check_identity
-from eagle3fn.evaluation.report import interleaved
 from eagle3fn.evaluation.results import acceptance_stats
+from eagle3fn.evaluation.timing import interleaved
 
 
 def implied_acceptance_length(acc: Sequence[float], k: int) -> float:

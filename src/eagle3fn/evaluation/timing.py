@@ -1,5 +1,6 @@
 """Where ``generate``'s time goes: ``StageTimes`` (seconds per stage of a batch's
-rounds) and ``Stage``, the context manager each path brackets its stages with.
+rounds) and ``Stage``, the context manager each path brackets its stages with; and
+``interleaved``, how ``evaluate`` and ``sweep`` time the draft beside the target alone.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -56,3 +58,31 @@ class Stage:
             torch.cuda.synchronize(self.device)
         setattr(self.times, name, getattr(self.times, name) + time.perf_counter() - t0)
 
+
+def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device,
+                warmup: bool | None = None) -> tuple[list[list], list[float]]:
+    """Run every side on every batch, batch by batch, the sides' order alternating
+    (A B, B A, A B, ...), each call timed alone (synchronised on CUDA): a machine whose
+    speed drifts during the measurement (a shared CPU, clocks) shifts both sides alike,
+    which timing one side's batches and then the other's does not. Both sides' state
+    (their static caches and recorded graphs, when they pool them) is then alive at
+    once: about twice one side's cache memory. With ``warmup``
+    (None: on CUDA) each side first runs the first batch once untimed (compilation,
+    graph recording). Returns each side's outputs (concatenated in batch order) and its
+    seconds."""
+    if device.type == "cuda" if warmup is None else warmup:
+        for side in sides:
+            side(batches[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
+    for i, batch in enumerate(batches):
+        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        for j in order:
+            t0 = time.perf_counter()
+            got = sides[j](batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[j] += time.perf_counter() - t0
+            outputs[j].extend(got)
+    return outputs, seconds

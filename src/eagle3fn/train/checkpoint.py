@@ -193,12 +193,11 @@ def check_resume(path: Path, state: dict, fingerprint: dict, trainable: dict, *,
             "the new total and the learning-rate schedule now spans it")
     differences = diff(_jsonable(state["fingerprint"]), _jsonable(fingerprint))
     if differences:
-        old_rows = state["fingerprint"].get("settings", {}).get("pack_rows") or {}
-        new_rows = fingerprint.get("settings", {}).get("pack_rows") or {}
+        old_settings, new_settings = state["fingerprint"].get("settings", {}), fingerprint.get("settings", {})
+        old_rows, new_rows = old_settings.get("pack_rows") or {}, new_settings.get("pack_rows") or {}
         hint = (f" (offline on CUDA a micro-batch is now one row of --batch-size x --max-length; this run was "
                 f"packed into rows of {old_rows['length']}: pass --pack-length {old_rows['length']} to resume it)"
                 if "rows" in new_rows and "rows" not in old_rows and "length" in old_rows else "")
-        old_settings, new_settings = state["fingerprint"].get("settings", {}), fingerprint.get("settings", {})
         old_precision = old_settings.get("precision")
         if (old_precision and old_precision != new_settings.get("precision")
                 and old_settings.get("device") == new_settings.get("device")):  # not the fix across devices
@@ -230,8 +229,9 @@ def load_run(out_dir: str | os.PathLike, *, best: bool = False) -> dict:
     ``aux_layer_ids``, ``step``, ``holdout_prompts`` (token id lists, one per
     held-out conversation; empty without --eval-holdout), ``best`` (the acceptance
     record, or None) and ``precision`` (the compute dtype it trained in, e.g.
-    ``"bfloat16"``; None for a checkpoint without a fingerprint). ``best=True`` reads checkpoint-best.pt instead of the last
-    checkpoint. RunError for a checkpoint that cannot be used (``read_checkpoint``)."""
+    ``"bfloat16"``; None for a checkpoint without a fingerprint). ``best=True`` reads
+    checkpoint-best.pt instead of the last checkpoint. RunError for a checkpoint that
+    cannot be used (``read_checkpoint``)."""
     from eagle3fn.io.vocab_io import load_vocab_map
 
     out = Path(out_dir)

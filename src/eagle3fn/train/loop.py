@@ -144,6 +144,12 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
         log(compile_notice())
     load_compile_cache(run.out, log)  # nothing to do where nothing compiled (no file)
     writer = CompileCacheWriter(run.out, log) if is_main() else None  # writes only after compilations
+
+    def save() -> None:  # the checkpoint, then the compile cache when graphs were compiled since
+        run.save()
+        if writer is not None:
+            writer.update()
+
     last, tokens, t0 = {}, 0, time.perf_counter()
     best = best_record(run.out, run.step, run.fingerprint) if run.step else None
     if signum := _agreed_before_start(run, stop):  # during the load: nothing new to save
@@ -160,25 +166,19 @@ def _loop(run: Run, *, log, live: bool, on_step, on_grads, stop: StopRequest) ->
                                       or eval_every and run.step % eval_every == 0):
                 best = _evaluate(run, metrics, log, best, **accept)
             if run.step % save_every == 0 or run.step == run.total:
-                run.save()
-                if writer is not None:
-                    writer.update()
+                save()
             if on_step is not None:
                 on_step(run.step)
             if signum := _agreed(run, result, stop):
                 if not (run.step % save_every == 0 or run.step == run.total):  # not saved above
-                    run.save()
-                    if writer is not None:  # a preempted run resumes warm on another machine
-                        writer.update()
+                    save()  # with the compile cache: a preempted run resumes warm on another machine
                 progress.close()
                 metrics.close()
                 raise Stopped(signum, f"step {run.step}")
             if run.step >= run.total or run.pos == 0:
                 break
     progress.close()
-    run.save()
-    if writer is not None:
-        writer.update()
+    save()
     metrics.close()
     if is_main() and read_metrics(run.out / METRICS):
         plot_metrics(run.out / METRICS, run.out / "loss.png", log=log)
