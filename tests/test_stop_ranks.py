@@ -11,15 +11,16 @@ signalled alone, rank 1 does not stop with it (it fails in a collective or train
 
 Every rank on one thread; the uninterrupted run is shared by the module."""
 
+import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 from recorders import save_tiny_target, write_tiny_chat
 
 from eagle3fn.train import CHECKPOINT, METRICS
@@ -37,10 +38,13 @@ LOCAL_ONLY = ("import eagle3fn.train.loop as loop\n"
               "loop._agreed = lambda run, result, stop: stop.signal or 0\n")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store() -> TCPStore:
+    """The run's rendezvous store, held by the test for the run's life as torchrun's agent
+    holds it: its port is bound from the start (``port=0``: the system picks a free one),
+    so no concurrent test can take it between choosing it and the ranks' use (a port
+    found free and released first could be, and a rank then waited on a stranger's store)."""
+    return TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=TIMEOUT))
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +56,10 @@ def workdir(tmp_path_factory):
 
 
 def _launch(workdir, out, patch: str = "", timeout_s: int = 30) -> list[subprocess.Popen]:
-    """The ranks of one ``eagle3fn train`` run, each with torchrun's environment;
-    ``timeout_s``: how long a collective waits for a missing peer."""
-    port = _port()
+    """The ranks of one ``eagle3fn train`` run, each with torchrun's environment (the ranks
+    join the store the test holds, ``TORCHELASTIC_USE_AGENT_STORE``); ``timeout_s``: how
+    long a collective waits for a missing peer."""
+    store = _store()
     code = patch + "from eagle3fn.cli.main import main\nmain()\n"
     cmd = [sys.executable, "-c", code, "train", "--model", str(workdir / "model"),
            "--data", str(workdir / "chat.jsonl"), "--out-dir", str(out), *FLAGS,
@@ -62,9 +67,10 @@ def _launch(workdir, out, patch: str = "", timeout_s: int = 30) -> list[subproce
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                "LOCAL_WORLD_SIZE": str(WORLD)}
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs[-1].store = store  # kept alive (and its port bound) while a rank runs
     return procs
 
 
