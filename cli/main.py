@@ -21,7 +21,7 @@ from eagle3fn.loss import LossConfig
 from eagle3fn.parallel import leave_distributed
 from eagle3fn.plan import PlanArgs, plan
 from eagle3fn.rowmap import build_rowmap
-from eagle3fn.train.config import TrainConfig
+from eagle3fn.train.config import TrainConfig, given_fields
 
 
 @dataclass(kw_only=True)
@@ -228,6 +228,18 @@ def _exit_code(error: BaseException) -> int:
     return 2 if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError)) else 1
 
 
+def flag_fields(argv: list[str]) -> set[str]:
+    """The config field names the flags of ``argv`` set: ``--max-length 512`` and
+    ``--max_length=512`` -> ``max_length``, ``--no-pack`` -> ``pack`` (and ``no_pack``,
+    harmless where no field has that name)."""
+    names = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            names.update((name, name.removeprefix("no_")))
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``eagle3fn`` console command.
 
@@ -245,13 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     if argv[:1] == ["--version"]:
         return version(VersionArgs())
-    args = tyro.extras.subcommand_cli_from_dict(
-        {name: config for name, (config, _) in COMMANDS.items()},
-        prog="eagle3fn",
-        description="EAGLE-3 draft training that computes only what is supervised "
-                    "(eagle3fn --version prints the version).",
-        args=argv,
-    )
+    with given_fields(flag_fields(argv[1:])):  # explicit flags win over a --preset's values
+        args = tyro.extras.subcommand_cli_from_dict(
+            {name: config for name, (config, _) in COMMANDS.items()},
+            prog="eagle3fn",
+            description="EAGLE-3 draft training that computes only what is supervised "
+                        "(eagle3fn --version prints the version).",
+            args=argv,
+        )
     args, command = with_settings(args, settings)
     try:
         try:

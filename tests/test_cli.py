@@ -174,3 +174,25 @@ def test_eagle3fn_compile_0_reaches_train_and_plan(monkeypatch, capsys):
         main(["plan", "--seq-len", "512"])
         lines.append(capsys.readouterr().out.splitlines()[0])
     assert "eager elementwise" in lines[0] and "eager elementwise" not in lines[1], lines
+
+
+def test_a_flag_given_beside_a_preset_wins_even_at_the_class_default(monkeypatch, tmp_path):
+    """``--preset demo --epochs 1`` trains one epoch (1 is the class default, which the
+    preset would otherwise replace by its 3); a flag not given takes the preset's value
+    (control), and ``--pack`` (class default True) beats the demo's ``pack`` False."""
+    from eagle3fn.cli import main as cli
+    from eagle3fn.train.config import TrainConfig
+
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, "train", (TrainConfig, seen.append))
+    out = ["--out-dir", str(tmp_path)]
+    for argv in (["--epochs", "1"], ["--epochs=1", "--pack"], [], ["--preset", "demo", "--max-length", "1024"]):
+        main(["train", *argv, *out])
+    given, given_eq, control, other = seen
+    assert given.preset == "demo" and given.epochs == 1 and given.pack is False
+    assert given_eq.epochs == 1 and given_eq.pack is True
+    assert control.epochs == 3 and control.pack is False and control.max_length == 512
+    assert other.max_length == 1024 and other.epochs == 3
+    assert cli.flag_fields(["--no-pack", "--max_length=4", "1", "--ttt.attention", "eager"]) >= {"pack", "max_length"}
+    assert TrainConfig.with_preset("demo", out_dir=str(tmp_path), epochs=1).epochs == 1
+    assert TrainConfig(preset="demo", out_dir=str(tmp_path), epochs=1).epochs == 3  # no names given: preset's

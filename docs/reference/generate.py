@@ -89,8 +89,9 @@ the field's docstring, which is also what `--help` prints.
 
 ### Presets
 
-`--preset NAME` gives these values to the fields still at their class defaults (a flag
-given beside it wins, unless it equals the class default). The embedded default (no
+`--preset NAME` gives these values to the fields whose flags are not given (a flag given
+beside it wins, whatever its value; in Python, `TrainConfig.with_preset(NAME, **values)`
+keeps the values given). The embedded default (no
 `--model`, `--data` or `--cache`) applies `demo`. Each preset is a function in
 `eagle3fn/train/config.py`.
 

@@ -1,16 +1,21 @@
 """Typed training configuration (the CLI only overrides it) and named presets.
 
 A preset is a function returning field values; ``TrainConfig(preset=...)`` gives them
-to the fields still at their class defaults (so a flag given beside the preset wins,
-unless it equals the class default). The embedded default applies ``demo``.
+to the fields still at their class defaults and not named by ``given_fields`` (the CLI
+names the flags on its command line, so ``--preset demo --epochs 1`` trains one epoch;
+in Python, ``TrainConfig.with_preset("demo", epochs=1)``). The embedded default applies
+``demo``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib.util
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -122,6 +127,19 @@ def long_context_preset() -> dict:
 
 
 PRESETS = {"demo": demo_preset, "smoke": smoke_preset, "long-context": long_context_preset}
+_GIVEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("eagle3fn_given_fields",
+                                                                        default=frozenset())
+
+
+@contextlib.contextmanager
+def given_fields(names: Iterable[str]) -> Iterator[None]:
+    """Within it, a ``TrainConfig``'s preset leaves the fields ``names`` as given, even
+    where the value given equals the class default (``--preset demo --epochs 1``)."""
+    token = _GIVEN.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 @dataclass(kw_only=True)
@@ -285,12 +303,19 @@ class TrainConfig:
     """Also write the metrics as TensorBoard scalars to out_dir/tb (needs ``pip install
     tensorboard``)."""
     preset: PresetName | None = None
-    """Named values for the fields left at their class defaults: ``demo`` (the
+    """Named values for the fields not given: ``demo`` (the
     embedded default's CPU demo: --draft-vocab-size 8192 --max-length 512 --lr 1e-3
     --epochs 3 --eval-holdout 8 --eval-every 22 --no-pack --ttt-length 1; applied automatically to the
     embedded default), ``smoke`` (check a setup: --max-steps 4 --save-every 2),
     ``long-context`` (--batch-size 1 --max-length 32768 --trim loss). A flag given
-    with a preset wins, unless it equals the class default."""
+    with a preset wins."""
+
+    @classmethod
+    def with_preset(cls, preset: PresetName, **values) -> TrainConfig:
+        """``TrainConfig(preset=preset, **values)`` with every value given kept, even one
+        equal to its class default (``with_preset("demo", epochs=1)``: one epoch)."""
+        with given_fields(values):
+            return cls(preset=preset, **values)
 
     def __post_init__(self) -> None:
         if self.preset is None and self.embedded_default:
@@ -299,8 +324,9 @@ class TrainConfig:
             if self.preset not in PRESETS:
                 raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
             defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+            given = _GIVEN.get()
             for name, value in PRESETS[self.preset]().items():
-                if getattr(self, name) == defaults[name]:
+                if name not in given and getattr(self, name) == defaults[name]:
                     setattr(self, name, value)
         if self.trim is not None and self.trim_loss_positions and self.trim != "loss":
             raise ValueError(f"--trim {self.trim} contradicts --trim-loss-positions; pass one")
