@@ -344,7 +344,7 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
               f"{row['implied_acceptance_length']:>8.2f} {row['tokens_per_s']:>10.1f} "
               f"{row['target_tokens_per_s']:>13.1f} {row['speedup']:>7.2f}x{mark}")
     if args.temperature == 0:
-        print("  every configuration: " + "; ".join(sorted({r["identity"] for r in result["rows"]})))
+        print("  " + identity_summary(result["rows"]))
     per_step = ", ".join(f"{a:.2f}" for a in acc)
     print(f"  training-time per-step accuracy on the target's own greedy texts: [{per_step}] "
           f"(implied = 1 + sum_j prod_(i<=j) acc_i)")
@@ -402,3 +402,23 @@ def _write_json(args: EvalArgs, out: dict, target) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1, default=str)
     os.replace(tmp, args.json)
+
+
+def identity_summary(rows: list[dict]) -> str:
+    """One line on the token identity of a sweep's outputs: ``every configuration: <its
+    identity>`` where all agree, else each identity with the configurations that gave it
+    (``16/16 outputs identical ... at batch 1, k = 1-6; 10/16 ... at batch 1, k = 7``)."""
+    groups: dict[str, dict[int, list[int]]] = {}
+    for r in rows:
+        groups.setdefault(r["identity"], {}).setdefault(r["batch_size"], []).append(r["k"])
+    if len(groups) == 1:
+        return f"every configuration: {next(iter(groups))}"
+
+    def ks(values: list[int]) -> str:
+        values = sorted(set(values))
+        if len(values) > 2 and values == list(range(values[0], values[-1] + 1)):
+            return f"{values[0]}-{values[-1]}"
+        return ", ".join(map(str, values))
+    return "; ".join(f"{identity} at " + ", ".join(f"batch {b}, k = {ks(k)}" for b, k in sorted(where.items()))
+                     for identity, where in groups.items())
+

@@ -190,3 +190,17 @@ def test_the_two_sides_are_timed_batch_by_batch_in_alternating_order(monkeypatch
     _, first = timing.interleaved([side("s")], batches, torch.device("cpu"))
     _, second = timing.interleaved([side("a")], batches, torch.device("cpu"))
     assert (first[0], second[0]) == (1 + 2 + 3 + 4, 5 + 6 + 7 + 8)
+
+
+def test_identity_summary_names_the_configurations_of_each_identity():
+    """A sweep whose configurations agree prints one identity; otherwise each identity
+    with the batches and ks that gave it (the control: one k that differs is named)."""
+    from eagle3fn.cli.run import identity_summary
+
+    same, other = "16/16 outputs identical to the target's own", "10/16 outputs identical to the target's own"
+    rows = [{"batch_size": 1, "k": k, "identity": same} for k in range(1, 8)]
+    assert identity_summary(rows) == f"every configuration: {same}"
+    rows[-1]["identity"] = other
+    rows.append({"batch_size": 4, "k": 2, "identity": other})
+    assert identity_summary(rows) == f"{same} at batch 1, k = 1-6; {other} at batch 1, k = 7, batch 4, k = 2"
+
