@@ -421,4 +421,3 @@ def identity_summary(rows: list[dict]) -> str:
         return ", ".join(map(str, values))
     return "; ".join(f"{identity} at " + ", ".join(f"batch {b}, k = {ks(k)}" for b, k in sorted(where.items()))
                      for identity, where in groups.items())
-

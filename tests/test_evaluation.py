@@ -203,4 +203,3 @@ def test_identity_summary_names_the_configurations_of_each_identity():
     rows[-1]["identity"] = other
     rows.append({"batch_size": 4, "k": 2, "identity": other})
     assert identity_summary(rows) == f"{same} at batch 1, k = 1-6; {other} at batch 1, k = 7, batch 4, k = 2"
-
