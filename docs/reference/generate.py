@@ -113,12 +113,15 @@ state keeps AdamW's names, so a run may resume with the flag on or off. Its back
 keeps the fused head's chunk logits instead of recomputing them (more memory than the
 eager step; `REMAT` in `onegraph.py` says why). It needs packed
 rows, one process, `--grad-accum 1` and `--trim loss` or `--trim none`, and refuses
-anything else with the fix. Off by default: on CUDA it is not yet shown to work at real
-shapes. Its first GPU runs found three CUDA-only faults: a second compile inside the
-graph on the FlexAttention path (SmolLM2, fixed), a graph break in the diagonal merge's
-kernel choice (fixed, not yet rerun there), and at 8B shapes on one H200 inductor's
-"Unexpected fake buffer _tensor_constant0" after those breaks (open;
-[record](../bench/train-8b-offline-compile-step-h200/logs.txt)). Compare it there with
+anything else with the fix. Off by default: on CUDA it is not yet timed at real shapes.
+Its first GPU runs found three CUDA-only faults: a second compile inside the graph on the
+FlexAttention path (SmolLM2, fixed), a graph break in the diagonal merge's kernel choice
+(fixed), and at 8B shapes inductor's "Unexpected fake buffer _tensor_constant0" after
+those breaks ([record](../bench/train-8b-offline-compile-step-h200/logs.txt)); the same 8B
+run at f985825 compiled three row buckets and trained 10 steps with no graph break and no
+fault before it was stopped, untimed ([record](../bench/train-8b-offline-compile-step-h200/rerun-f985825/README.md)).
+A first run compiles each row bucket when it first comes up (minutes at 8B shapes on a
+cold cache; a resume reuses the run's compile-cache.bin). Compare it with
 `benchmarks/train.py --variants compile-step --modes loss --packs True`.
 
 ## `eagle3fn eval` (`eagle3fn.cli.run.EvalArgs`)
