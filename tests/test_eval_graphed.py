@@ -326,3 +326,35 @@ def test_evaluate_and_sweep_time_the_same_path(target):
     rows = sweep(target, params, cfg, d2t, prompts, ks=[2], batch_sizes=[4], max_new_tokens=4, impl="graph",
                  log=lambda s: None)["rows"]
     assert [r["impl"] for r in rows] == ["graph"] and rows[0]["identical"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_sweep_warms_up_on_the_widest_batch(target, monkeypatch, first):
+    """``sweep``'s untimed warm-up decodes the batch with the longest prompt, so every
+    timed batch finds its pooled cache and recordings large enough: each side's pool
+    misses only at its warm-ups (one per k for the draft, one per batch size alone).
+    Control (``first``): warming up on the first batch (the old choice; PROMPTS' first is
+    the shortest) leaves longer batches to build theirs inside the timed region."""
+    import importlib
+
+    from eagle3fn.evaluation.timing import widest
+    sweep_module = importlib.import_module("eagle3fn.evaluation.sweep")  # the package's name is the function
+    pools = []
+
+    class Counted(sweep_module.GraphPool):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            pools.append(self)
+    monkeypatch.setattr(sweep_module, "GraphPool", Counted)
+    if first:
+        monkeypatch.setattr(sweep_module, "widest", lambda batches: batches[0])
+    params, cfg, d2t = make_draft(target)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    assert widest([[p] for p in prompts])[0] is prompts[2]
+    sweep(target, params, cfg, d2t, prompts, ks=[1, 2], batch_sizes=[1, 2], max_new_tokens=4, impl="graph",
+          log=lambda s: None)
+    spec, alone = pools
+    if first:
+        assert spec.misses > 2 * 2 or alone.misses > 2
+    else:
+        assert (spec.misses, alone.misses) == (2 * 2, 2)

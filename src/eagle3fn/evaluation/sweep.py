@@ -4,8 +4,9 @@ For each batch size ``b`` and each ``k`` the prompts are decoded in batches of `
 speculative decoding (``generation.generate``) and by the target alone (the speedup's
 denominator, timed again beside every ``k``), batch by batch in alternating order
 (``timing.interleaved``: a drift in the machine's speed shifts both sides alike), after
-one untimed warm-up batch of each (CUDA context, allocator blocks and graph recordings
-are not charged to the first timed configuration). The target alone runs on the
+one untimed warm-up of each on the batch with the longest prompt (``timing.widest``: CUDA
+context, allocator blocks and graph recordings, at the largest cache a batch needs, are
+not charged to any timed batch). The target alone runs on the
 decoding path of the implementation (``target_generate(impl=...)``: with ``"graph"``, the
 default on CUDA, a static cache and CUDA graphs on both sides). Both sides keep their
 recorded graphs across batches (a ``decoding.GraphPool`` each, columns rounded up to its
@@ -27,7 +28,7 @@ from eagle3fn.evaluation.config import SpecConfig
 from eagle3fn.evaluation.generation import default_impl, generate
 from eagle3fn.evaluation.identity import check_identity
 from eagle3fn.evaluation.results import acceptance_stats
-from eagle3fn.evaluation.timing import interleaved
+from eagle3fn.evaluation.timing import interleaved, widest
 
 
 def implied_acceptance_length(acc: Sequence[float], k: int) -> float:
@@ -75,15 +76,16 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
                               temperature=temperature, seed=seed)
         alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl,  # noqa: E731
                                                   pool=alone_pool)
+        warm = widest(batches)
         if warmup:
-            alone_run(batches[0])
+            alone_run(warm)
         for k in ks:
             cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
                              temperature=temperature, seed=seed)
             run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
                                          impl=impl, pool=spec_pool)
             if warmup:
-                run(batches[0])
+                run(warm)
             (results, alone), (seconds, alone_s) = interleaved((run, alone_run), batches, device, warmup=False)
             spec_pool.clear()
             alone_tps = sum(map(len, alone)) / alone_s

@@ -1,6 +1,7 @@
 """Where ``generate``'s time goes: ``StageTimes`` (seconds per stage of a batch's
 rounds) and ``Stage``, the context manager each path brackets its stages with; and
-``interleaved``, how ``evaluate`` and ``sweep`` time the draft beside the target alone.
+``interleaved``, how ``evaluate`` and ``sweep`` time the draft beside the target alone,
+after a warm-up on the ``widest`` batch.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class Stage:
         setattr(self.times, name, getattr(self.times, name) + time.perf_counter() - t0)
 
 
+def widest(batches: Sequence[Sequence[torch.Tensor]]) -> list:
+    """The batch whose longest prompt (``[L]`` or ``[1, L]`` each) is the longest (the
+    first such): the warm-up batch. Every cache a pooled call sizes for it (columns grow
+    with the longest prompt) fits every other batch of the same size, so after it no
+    timed batch records its graphs again, as a server records every shape at start-up."""
+    return max(batches, key=lambda batch: max(p.shape[-1] for p in batch))
+
+
 def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], device: torch.device,
                 warmup: bool | None = None) -> tuple[list[list], list[float]]:
     """Run every side on every batch, batch by batch, the sides' order alternating
@@ -67,12 +76,12 @@ def interleaved(sides: Sequence[Callable[[list], list]], batches: list[list], de
     which timing one side's batches and then the other's does not. Both sides' state
     (their static caches and recorded graphs, when they pool them) is then alive at
     once: about twice one side's cache memory. With ``warmup``
-    (None: on CUDA) each side first runs the first batch once untimed (compilation,
-    graph recording). Returns each side's outputs (concatenated in batch order) and its
-    seconds."""
+    (None: on CUDA) each side first runs the ``widest`` batch once untimed (compilation,
+    graph recording at the largest cache any batch needs). Returns each side's outputs
+    (concatenated in batch order) and its seconds."""
     if device.type == "cuda" if warmup is None else warmup:
         for side in sides:
-            side(batches[0])
+            side(widest(batches))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     outputs, seconds = [[] for _ in sides], [0.0] * len(sides)
