@@ -46,10 +46,10 @@ def _result(out):
     return state, rows
 
 
-def _compiled(workdir, out, monkeypatch, wrong: bool = False, **kw):
+def _compiled(workdir, out, monkeypatch, wrong: bool = False, logs: list | None = None, **kw):
     """A --compile-step run (dynamo with aot_eager on the CPU); the (U, N) of every
     batch given to ``bucketed`` and the recompilations. ``wrong``: the first padding
-    row of every step counts (the negative control)."""
+    row of every step counts (the negative control). ``logs``: gets the run's lines."""
     seen, real = [], BUCKETED
 
     def spy(rowmap, *a):
@@ -65,7 +65,7 @@ def _compiled(workdir, out, monkeypatch, wrong: bool = False, **kw):
     torch._dynamo.reset()
     breaks = sum(counters["graph_break"].values())
     with compile_on_cpu("aot_eager"), RecompileCounter() as counter:
-        train(config(workdir, out, compile_step=True, **kw), log=lambda s: None)
+        train(config(workdir, out, compile_step=True, **kw), log=(lambda s: None) if logs is None else logs.append)
     return seen, counter.count, sum(counters["graph_break"].values()) - breaks
 
 
@@ -76,10 +76,11 @@ def runs(workdir, tmp_path_factory):
         mp.setattr(loop, "plot_metrics", lambda *a, **k: None)  # not under test here
         train(config(workdir, out / "eager"), log=lambda s: None)
         train(config(workdir, out / "eager1", max_steps=1), log=lambda s: None)
-        seen, recompiles, breaks = _compiled(workdir, out / "compiled", mp)
+        logs = []
+        seen, recompiles, breaks = _compiled(workdir, out / "compiled", mp, logs=logs)
         _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
     assert breaks == 0  # the whole step is one graph
-    return {name: _result(out / name) for name in ("eager", "eager1", "compiled", "wrong")}, seen, recompiles
+    return {name: _result(out / name) for name in ("eager", "eager1", "compiled", "wrong")}, seen, recompiles, logs
 
 
 def _same(a, b) -> bool:
@@ -94,7 +95,7 @@ def _same(a, b) -> bool:
 
 
 def test_compiled_step_equals_the_eager_one(runs):
-    results, _, _ = runs
+    results, _, _, _ = runs
     assert results["eager"][0]["step"] == 4
     assert _same(results["eager"], results["compiled"])
     # The negative control: one padding row counted changes the loss and the update.
@@ -102,10 +103,16 @@ def test_compiled_step_equals_the_eager_one(runs):
 
 
 def test_row_counts_compile_at_most_one_graph_per_bucket(runs):
-    _, seen, recompiles = runs
+    _, seen, recompiles, logs = runs
     counts, buckets = {u for u, _ in seen}, {n for _, n in seen}
     assert len(seen) == 4 and all(n >= u for u, n in seen)
     assert recompiles + 1 <= len(buckets) < len(counts)
+    # Each bucket's first step says it compiles (a run stalling there says why), then how long it took;
+    # the batches of a bucket met again say nothing (control: more batches than buckets).
+    said = [line for line in logs if line.startswith("compile-step: compiling")]
+    assert [f"with {n} trimmed rows" in line for line, n in zip(said, dict.fromkeys(n for _, n in seen))] \
+        == [True] * len(buckets) and len(said) == len(buckets) < len(seen)
+    assert sum(line.startswith("compile-step: compiled and ran it in ") for line in logs) == len(buckets)
     # Every count up to B*T lands in one of ROW_BUCKETS sizes, padding under one unit.
     sizes = {bucket_size(n, 1000) for n in range(1001)}
     assert len(sizes) == ROW_BUCKETS and all(bucket_size(n, 1000) - n <= 125 for n in range(1001))

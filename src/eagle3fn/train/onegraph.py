@@ -34,6 +34,8 @@ compiles at most ``ROW_BUCKETS`` graphs per batch shape (the full path,
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Callable
 
 import torch
 
@@ -156,6 +158,8 @@ class StepGraph:
         self.backend = backend or compile_backend(run.device) or "inductor"
         self.fn = compiler(_one_step, self.backend, dynamic=False)
         self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
+        self.shapes: set[tuple] = set()
+        """The ``(B, T, N)`` shapes compiled so far (``N``: the bucket's rows, 0 untrimmed)."""
 
     def state(self, run) -> list:
         """``(exp_avg, exp_avg_sq, step)`` of each trainable parameter in ``run.opt``,
@@ -171,17 +175,30 @@ class StepGraph:
             out.append((s["exp_avg"], s["exp_avg_sq"], s["step"]))
         return out
 
-    def step(self, run, features, rowmap: RowMap, lr: float, clip: float):
+    def step(self, run, features, rowmap: RowMap, lr: float, clip: float,
+             log: Callable[[str], None] = lambda s: None):
         """One micro-batch (``Features [B, T, ...]`` and its row map) through the
         compiled step at learning rate ``lr``, gradient norm clipped to ``clip``:
         ``(Objective, grad norm 0-d, non-finite flag 0-d float)`` on the device, the
-        parameters and ``run.opt``'s state updated where finite."""
+        parameters and ``run.opt``'s state updated where finite. The first step of each
+        new shape compiles it (over a minute at 8B shapes on a cold cache): ``log`` gets a line
+        before and one with the seconds after, so a run that stalls there says why."""
         config, plan, supervised_flat = prepare_batch(features, rowmap, run.ttt_cfg)
         masks = None
         if config.trim != "none":
             padded, masks = bucketed(rowmap.host.rowmap if rowmap.host is not None else rowmap)
             rowmap, masks = _to_device(padded, masks, features.aux.device)
             plan = dataclasses.replace(plan, at=list(rowmap.rows))
+        B, T = rowmap.batch_size, rowmap.buffer_len
+        shape = (B, T, 0 if masks is None else masks.shape[1])
+        new = shape not in self.shapes
+        if new:
+            self.shapes.add(shape)
+            what = (f"with {shape[2]} trimmed rows (row bucket {len(self.shapes)}, at most {ROW_BUCKETS} a batch "
+                    "shape)" if masks is not None else "untrimmed")
+            log(f"compile-step: compiling the step for a [{B}, {T}] batch {what}; each compiles once, and a "
+                "resume reuses compile-cache.bin")
+            t0 = time.perf_counter()
         group = run.opt.param_groups[0]
         frozen = {n: p for n, p in run.params.items() if n not in run.trainable}
         lr_t = torch.tensor(lr, dtype=torch.float64).to(run.device, non_blocking=True)
@@ -193,4 +210,6 @@ class StepGraph:
                                         d2t=run.d2t, t2d=run.t2d, bounds=self.bounds, clip=clip,
                                         betas=tuple(group["betas"]), eps=group["eps"],
                                         weight_decay=group["weight_decay"])
+        if new:
+            log(f"compile-step: compiled and ran it in {time.perf_counter() - t0:.1f} s")
         return Objective(*fields), norm, bad

@@ -192,7 +192,7 @@ def optimizer_step(run: Run, order: list[int], *, log: Callable[[str], None],
         if on_grads is not None:
             raise ValueError("on_grads needs the eager step: its gradients never leave the compiled one")
         item, features, rowmap, _ = micro_batch(run, order, starts[0])
-        objective, grad_norm, bad = run.step_graph.step(run, features, rowmap, lr, clip)
+        objective, grad_norm, bad = run.step_graph.step(run, features, rowmap, lr, clip, log=log)
         items, tokens = [item], _tokens(features, rowmap)
     else:
         items, objective, bad, tokens = _backward(run, order, starts)
