@@ -1,7 +1,7 @@
-"""--compile-step (train.onegraph): the optimizer step as one compiled graph per row
-bucket (no graph break) equals the eager step in fp64 on the CPU (params, optimizer
+"""--compile-step (train.onegraph): the optimizer step as one compiled graph (every row
+bucket, no graph break) equals the eager step in fp64 on the CPU (params, optimizer
 state, metrics), a wrong variant (one padding row left unmasked) is caught by the same
-comparison, the compilations stay within the row buckets, the Triton soft
+comparison, one graph serves every row bucket (one per bucket without DYNAMIC_ROWS), the Triton soft
 cross-entropy and FlexAttention run inside it, and unsupported settings are refused."""
 
 import json
@@ -76,11 +76,16 @@ def runs(workdir, tmp_path_factory):
         mp.setattr(loop, "plot_metrics", lambda *a, **k: None)  # not under test here
         train(config(workdir, out / "eager"), log=lambda s: None)
         train(config(workdir, out / "eager1", max_steps=1), log=lambda s: None)
-        logs = []
+        logs, static_logs = [], []
         seen, recompiles, breaks = _compiled(workdir, out / "compiled", mp, logs=logs)
         _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
+        with pytest.MonkeyPatch.context() as static:  # one static graph per row bucket
+            static.setattr(onegraph, "DYNAMIC_ROWS", False)
+            _, static_recompiles, _ = _compiled(workdir, out / "static", mp, logs=static_logs)
     assert breaks == 0  # the whole step is one graph
-    return {name: _result(out / name) for name in ("eager", "eager1", "compiled", "wrong")}, seen, recompiles, logs
+    names = ("eager", "eager1", "compiled", "wrong", "static")
+    return ({name: _result(out / name) for name in names}, seen, recompiles, logs,
+            (static_recompiles, static_logs))
 
 
 def _same(a, b) -> bool:
@@ -95,24 +100,31 @@ def _same(a, b) -> bool:
 
 
 def test_compiled_step_equals_the_eager_one(runs):
-    results, _, _, _ = runs
+    results = runs[0]
     assert results["eager"][0]["step"] == 4
-    assert _same(results["eager"], results["compiled"])
+    assert _same(results["eager"], results["compiled"]) and _same(results["eager"], results["static"])
     # The negative control: one padding row counted changes the loss and the update.
     assert not _same(results["eager1"], results["wrong"])
 
 
-def test_row_counts_compile_at_most_one_graph_per_bucket(runs):
-    _, seen, recompiles, logs = runs
+def test_one_graph_serves_every_row_bucket(runs):
+    """With ``DYNAMIC_ROWS`` the row count is symbolic: the batches of two or more
+    buckets run one graph, compiled once and logged once. Control: the static graphs
+    (``DYNAMIC_ROWS`` off) recompile for every bucket after the first, and log each."""
+    _, seen, recompiles, logs, (static_recompiles, static_logs) = runs
     counts, buckets = {u for u, _ in seen}, {n for _, n in seen}
     assert len(seen) == 4 and all(n >= u for u, n in seen)
-    assert recompiles + 1 <= len(buckets) < len(counts)
-    # Each bucket's first step says it compiles (a run stalling there says why), then how long it took;
-    # the batches of a bucket met again say nothing (control: more batches than buckets).
-    said = [line for line in logs if line.startswith("compile-step: compiling")]
-    assert [f"with {n} trimmed rows" in line for line, n in zip(said, dict.fromkeys(n for _, n in seen))] \
-        == [True] * len(buckets) and len(said) == len(buckets) < len(seen)
-    assert sum(line.startswith("compile-step: compiled and ran it in ") for line in logs) == len(buckets)
+    assert 2 <= len(buckets) < len(counts)
+    assert recompiles == 0 and static_recompiles == len(buckets) - 1
+
+    def said(lines):
+        return [line for line in lines if line.startswith("compile-step: compiling")]
+    assert len(said(logs)) == 1 and "for any trimmed row count" in said(logs)[0]
+    # Static: each bucket's first step says it compiles (a run stalling there says why), then how long
+    # it took; the batches of a bucket met again say nothing (more batches than buckets).
+    assert [f"with {n} trimmed rows" in line for line, n in zip(said(static_logs), dict.fromkeys(n for _, n in seen))] \
+        == [True] * len(buckets) and len(said(static_logs)) == len(buckets) < len(seen)
+    assert sum(line.startswith("compile-step: compiled and ran it in ") for line in static_logs) == len(buckets)
     # Every count up to B*T lands in one of ROW_BUCKETS sizes, padding under one unit.
     sizes = {bucket_size(n, 1000) for n in range(1001)}
     assert len(sizes) == ROW_BUCKETS and all(bucket_size(n, 1000) - n <= 125 for n in range(1001))

@@ -106,8 +106,10 @@ loss, `torch.autograd.grad` of it, the gradient clip and AdamW) as one `torch.co
 graph (`eagle3fn/train/onegraph.py`), instead of a few thousand operations issued one by
 one from the host. The row map and the steps' index maths stay on the host; the row
 counts are padded up to one of 8 sizes (multiples of rows x `--pack-length` / 8) with
-zero-weight rows, so a run compiles at most 8 graphs per batch shape, each the first
-time its size comes up (the log says so before, and how long it took after). The maths is the eager step's (tests/test_compiled_step.py:
+zero-weight rows, and the row count is a symbolic size of the graph, so a run compiles
+one graph per batch shape whatever its row counts (`DYNAMIC_ROWS` in `onegraph.py`;
+off, one static graph per row size, at most 8); the log says when it compiles and how
+long it took. The maths is the eager step's (tests/test_compiled_step.py:
 equal parameters, optimizer state and metrics in fp64 on the CPU), and the optimizer
 state keeps AdamW's names, so a run may resume with the flag on or off. Its backward
 keeps the fused head's chunk logits instead of recomputing them (more memory than the
@@ -120,8 +122,10 @@ FlexAttention path (SmolLM2, fixed), a graph break in the diagonal merge's kerne
 those breaks ([record](../bench/train-8b-offline-compile-step-h200/logs.txt)); the same 8B
 run at f985825 compiled three row buckets and trained 10 steps with no graph break and no
 fault before it was stopped, untimed ([record](../bench/train-8b-offline-compile-step-h200/rerun-f985825/README.md)).
-A first run compiles each row bucket when it first comes up (74-110 s each in that 8B run,
-on a cold cache and a shared GPU; a resume reuses the run's compile-cache.bin). Compare it with
+That run compiled each row bucket when it first came up (74-110 s each, on a cold cache
+and a shared GPU); the one graph for every row count came after it and is tested on the
+CPU only (dynamo with aot_eager and inductor), not yet on CUDA. A resume reuses the run's
+compile-cache.bin. Compare it with
 `benchmarks/train.py --variants compile-step --modes loss --packs True`.
 
 ## `eagle3fn eval` (`eagle3fn.cli.run.EvalArgs`)

@@ -209,7 +209,9 @@ def head_step_terms(
     backward (``torch.utils.checkpoint``), so no ``[N, Vd]`` tensor outlives a chunk.
     Gradients reach ``hidden`` and every tensor of ``head_weights`` (passed as explicit
     inputs so the recomputation needs no module state). Under ``torch.func`` transforms,
-    which do not support checkpointing, the logits are computed whole and kept.
+    which do not support checkpointing, the logits are computed whole and kept; so they
+    are inside a compiled graph (``--compile-step``, whose backward keeps them anyway),
+    where the graph then holds for any ``N``.
 
     Args:
         hidden_NH: ``[N, H]`` pre-norm outputs of the step's rows.
@@ -224,6 +226,12 @@ def head_step_terms(
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
         return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t,
                           row_mask_N=row_mask_N, impl=impl, accept_grad=accept_grad)
+    if torch.compiler.is_compiling():
+        # The compiled step keeps every chunk's logits for its backward anyway
+        # (``train.onegraph.REMAT``), and a loop over the rows would fix its graph to one
+        # row count: one region of all the rows.
+        return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t, row_mask_N=row_mask_N,
+                          impl=impl, accept_grad=accept_grad)
     names = _TERM_FIELDS
     sums = None
     for start in range(0, max(hidden_NH.shape[0], 1), chunk_rows):

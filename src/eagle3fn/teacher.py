@@ -73,7 +73,11 @@ def _table(logits_UVd: torch.Tensor, lse_draft_U: torch.Tensor, lse_full_U: torc
 
 def _draft_lse(logits_UVd: torch.Tensor, dtype: torch.dtype, block_rows: int) -> torch.Tensor:
     """``[U]`` ``logsumexp`` of the rows of ``logits_UVd`` upcast to ``dtype``, ``block_rows``
-    rows at a time (the upcast copy and its temporaries are ``[block_rows, Vd]``)."""
+    rows at a time (the upcast copy and its temporaries are ``[block_rows, Vd]``). Inside a
+    compiled graph (``--compile-step``) in one piece: inductor fuses the upcast into the
+    reduction, and a loop over the rows would fix the graph to one row count."""
+    if torch.compiler.is_compiling():
+        return torch.logsumexp(logits_UVd.to(dtype), dim=-1)
     step = max(block_rows, 1)
     blocks = [torch.logsumexp(logits_UVd[r:r + step].to(dtype), dim=-1)
               for r in range(0, logits_UVd.shape[0], step)]

@@ -1,6 +1,6 @@
 """The training step as one compiled graph (``--compile-step``): the teacher, the k
 unrolled steps, the loss, the gradients, the clip and the AdamW update of one
-micro-batch traced by dynamo into a single graph per row bucket, so the steady step
+micro-batch traced by dynamo into a single graph per batch shape, so the steady step
 runs a handful of host operations instead of every op of the forward, the backward and
 the optimizer.
 
@@ -26,9 +26,10 @@ learning rate is a 0-d tensor input, so the schedule recompiles nothing.
 
 Bounded shapes: packed rows give fixed ``[B, T]`` inputs; under ``trim="loss"`` the
 teacher positions and every step's rows are padded to ``N = bucket_size(U, B*T)``, one
-of ``ROW_BUCKETS`` sizes, padding rows masked out of every sum (exact), so a run
-compiles at most ``ROW_BUCKETS`` graphs per batch shape (the full path,
-``trim="none"``, has one). Graphs are static (``dynamic=False``), what CUDA graphs need.
+of ``ROW_BUCKETS`` sizes, padding rows masked out of every sum (exact). With
+``DYNAMIC_ROWS`` (the default) that row count is a symbolic size of one graph per batch
+shape, so a cold run compiles once; without it, one static graph per bucket, at most
+``ROW_BUCKETS`` per batch shape (the full path, ``trim="none"``, has one either way).
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ from eagle3fn.unrolled import batch_teacher, planned_objective, prepare_batch
 
 ROW_BUCKETS = 8
 """The row counts a compiled step pads to: multiples of ``ceil(B*T / ROW_BUCKETS)``,
-so at most this many graphs per batch shape, each padding at most ``B*T /
-ROW_BUCKETS`` rows."""
+each padding at most ``B*T / ROW_BUCKETS`` rows (at most this many graphs per batch
+shape without ``DYNAMIC_ROWS``)."""
+
+DYNAMIC_ROWS = True
+"""Whether the compiled step's row count is a symbolic size (one graph for every row
+bucket of a batch shape: a cold run compiles once) or fixed per bucket (one graph each,
+up to ``ROW_BUCKETS``). The teacher's and the head's row loops run in one piece inside the
+graph for this (``teacher._draft_lse``, ``loss.head_step_terms``)."""
 
 REMAT = False
 """Whether AOTAutograd recomputes the fused head's checkpointed logits in the traced
@@ -134,16 +141,21 @@ def _one_step(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor
 
 def _to_device(rowmap: RowMap, masks: torch.Tensor, device: torch.device) -> tuple[RowMap, torch.Tensor]:
     """A padded host row map's teacher positions, rows and table rows, and its row
-    masks, on ``device`` in two copies (views of one buffer at offsets fixed by the
-    bucket, which the static graph's guards hold); on the CPU as they are."""
-    if device.type == "cpu":
-        return rowmap, masks
-    k = rowmap.ttt_length
-    flat = torch.stack([rowmap.teacher_positions, *rowmap.rows, *rowmap.table_rows])
-    flat = flat.pin_memory().to(device, non_blocking=True).unbind(0)
-    masks = masks.pin_memory().to(device, non_blocking=True)
-    return dataclasses.replace(rowmap, teacher_positions=flat[0], rows=flat[1:1 + k],
-                               table_rows=flat[1 + k:]), masks
+    masks, on ``device`` (one copy each way, then one tensor per field: views of one
+    buffer would sit at offsets that change with the bucket), their row dimension marked
+    dynamic when ``DYNAMIC_ROWS``; on the CPU as they are, marked likewise."""
+    if device.type != "cpu":
+        k = rowmap.ttt_length
+        flat = torch.stack([rowmap.teacher_positions, *rowmap.rows, *rowmap.table_rows])
+        flat = [t.clone() for t in flat.pin_memory().to(device, non_blocking=True).unbind(0)]
+        masks = masks.pin_memory().to(device, non_blocking=True)
+        rowmap = dataclasses.replace(rowmap, teacher_positions=flat[0], rows=tuple(flat[1:1 + k]),
+                                     table_rows=tuple(flat[1 + k:]))
+    if DYNAMIC_ROWS:
+        for t in (rowmap.teacher_positions, *rowmap.rows, *rowmap.table_rows):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(masks, 1)
+    return rowmap, masks
 
 
 class StepGraph:
@@ -156,10 +168,12 @@ class StepGraph:
 
     def __init__(self, run, backend: str | None = None) -> None:
         self.backend = backend or compile_backend(run.device) or "inductor"
-        self.fn = compiler(_one_step, self.backend, dynamic=False)
+        # dynamic=None: the row dimensions ``_to_device`` marks are symbolic, every other size static.
+        self.fn = compiler(_one_step, self.backend, dynamic=None if DYNAMIC_ROWS else False)
         self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
         self.shapes: set[tuple] = set()
-        """The ``(B, T, N)`` shapes compiled so far (``N``: the bucket's rows, 0 untrimmed)."""
+        """The ``(B, T, N)`` shapes compiled so far (``N``: the bucket's rows; 0 untrimmed or
+        with ``DYNAMIC_ROWS``)."""
 
     def state(self, run) -> list:
         """``(exp_avg, exp_avg_sq, step)`` of each trainable parameter in ``run.opt``,
@@ -190,12 +204,12 @@ class StepGraph:
             rowmap, masks = _to_device(padded, masks, features.aux.device)
             plan = dataclasses.replace(plan, at=list(rowmap.rows))
         B, T = rowmap.batch_size, rowmap.buffer_len
-        shape = (B, T, 0 if masks is None else masks.shape[1])
+        shape = (B, T, 0 if masks is None or DYNAMIC_ROWS else masks.shape[1])
         new = shape not in self.shapes
         if new:
             self.shapes.add(shape)
-            what = (f"with {shape[2]} trimmed rows (row bucket {len(self.shapes)}, at most {ROW_BUCKETS} a batch "
-                    "shape)" if masks is not None else "untrimmed")
+            what = ("untrimmed" if masks is None else "for any trimmed row count" if DYNAMIC_ROWS else
+                    f"with {shape[2]} trimmed rows (row bucket {len(self.shapes)}, at most {ROW_BUCKETS} a batch shape)")
             log(f"compile-step: compiling the step for a [{B}, {T}] batch {what}; each compiles once, and a "
                 "resume reuses compile-cache.bin")
             t0 = time.perf_counter()
