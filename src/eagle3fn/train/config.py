@@ -258,10 +258,10 @@ class TrainConfig:
     exactness checks."""
     compile_step: bool = False
     """Run each optimizer step (teacher, k TTT steps, loss, gradients, clip, AdamW) as
-    one compiled graph per row bucket (``train.onegraph``): the same maths as the eager
-    step, a few host operations per step instead of thousands. Needs packed rows, one
-    process, --grad-accum 1 and --trim loss or none; the first step of each bucket
-    compiles. Off by default: the eager step."""
+    one compiled graph (``train.onegraph``; one per batch shape, whatever the trimmed row
+    counts): the same maths as the eager step, a few host operations per step instead of
+    thousands. Needs packed rows, one process, --grad-accum 1 and --trim loss or none;
+    the first step compiles. Off by default: the eager step."""
     compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
