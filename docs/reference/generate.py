@@ -123,8 +123,9 @@ those breaks ([record](../bench/train-8b-offline-compile-step-h200/logs.txt)); t
 run at f985825 compiled three row buckets and trained 10 steps with no graph break and no
 fault before it was stopped, untimed ([record](../bench/train-8b-offline-compile-step-h200/rerun-f985825/README.md)).
 That run compiled each row bucket when it first came up (74-110 s each, on a cold cache
-and a shared GPU); the one graph for every row count came after it and is tested on the
-CPU only (dynamo with aot_eager and inductor), not yet on CUDA. A resume reuses the run's
+and a shared GPU); the one graph for every row count came after it: the tests check it
+on the CPU with dynamo's aot_eager, inductor on the CPU was checked by hand (one graph,
+no recompilation over three row counts), CUDA not yet. A resume reuses the run's
 compile-cache.bin. Compare it with
 `benchmarks/train.py --variants compile-step --modes loss --packs True`.
 
