@@ -221,17 +221,13 @@ def head_step_terms(
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    # Under dynamo (a compiled training step) the checkpoint is traced as a region
-    # of its own; dynamo cannot ask whether a tensor is functorch-wrapped.
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
+    # Whole, not chunked: under torch.func (no checkpointing there), and inside a compiled
+    # step, whose backward keeps every chunk's logits anyway (``train.onegraph.REMAT``)
+    # and whose graph a loop over the rows would fix to one row count. Dynamo cannot ask
+    # whether a tensor is functorch-wrapped, so that question comes second.
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(hidden_NH):
         return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t,
                           row_mask_N=row_mask_N, impl=impl, accept_grad=accept_grad)
-    if torch.compiler.is_compiling():
-        # The compiled step keeps every chunk's logits for its backward anyway
-        # (``train.onegraph.REMAT``), and a loop over the rows would fix its graph to one
-        # row count: one region of all the rows.
-        return step_terms(head(hidden_NH, *head_weights), table, table_rows_N, d2t, row_mask_N=row_mask_N,
-                          impl=impl, accept_grad=accept_grad)
     names = _TERM_FIELDS
     sums = None
     for start in range(0, max(hidden_NH.shape[0], 1), chunk_rows):
