@@ -1,8 +1,9 @@
 """--compile-step (train.onegraph): the optimizer step as one compiled graph (every row
-bucket, no graph break) equals the eager step in fp64 on the CPU (params, optimizer
+count, no graph break) equals the eager step in fp64 on the CPU (params, optimizer
 state, metrics), a wrong variant (one padding row left unmasked) is caught by the same
-comparison, one graph serves every row bucket (one per bucket without DYNAMIC_ROWS), the Triton soft
-cross-entropy and FlexAttention run inside it, and unsupported settings are refused."""
+comparison, one graph serves every row count, unpadded (one per row bucket without
+DYNAMIC_ROWS), the Triton soft cross-entropy and FlexAttention run inside it, and
+unsupported settings are refused."""
 
 import json
 
@@ -16,7 +17,7 @@ from eagle3fn.compiled import RecompileCounter, compile_on_cpu
 from eagle3fn.train import CHECKPOINT, METRICS, train
 from eagle3fn.train.config import TrainConfig
 from eagle3fn.train.config import TTTOptions
-from eagle3fn.train.onegraph import ROW_BUCKETS, bucket_size
+from eagle3fn.train.onegraph import MIN_ROWS, ROW_BUCKETS, bucket_size
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,14 +79,15 @@ def runs(workdir, tmp_path_factory):
         train(config(workdir, out / "eager1", max_steps=1), log=lambda s: None)
         logs, static_logs = [], []
         seen, recompiles, breaks = _compiled(workdir, out / "compiled", mp, logs=logs)
-        _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
         with pytest.MonkeyPatch.context() as static:  # one static graph per row bucket
             static.setattr(onegraph, "DYNAMIC_ROWS", False)
-            _, static_recompiles, _ = _compiled(workdir, out / "static", mp, logs=static_logs)
+            # The negative control where padding rows exist: the buckets (a symbolic count pads none).
+            _compiled(workdir, out / "wrong", mp, wrong=True, max_steps=1)
+            static_seen, static_recompiles, _ = _compiled(workdir, out / "static", mp, logs=static_logs)
     assert breaks == 0  # the whole step is one graph
     names = ("eager", "eager1", "compiled", "wrong", "static")
     return ({name: _result(out / name) for name in names}, seen, recompiles, logs,
-            (static_recompiles, static_logs))
+            (static_seen, static_recompiles, static_logs))
 
 
 def _same(a, b) -> bool:
@@ -107,15 +109,19 @@ def test_compiled_step_equals_the_eager_one(runs):
     assert not _same(results["eager1"], results["wrong"])
 
 
-def test_one_graph_serves_every_row_bucket(runs):
-    """With ``DYNAMIC_ROWS`` the row count is symbolic: the batches of two or more
-    buckets run one graph, compiled once and logged once. Control: the static graphs
-    (``DYNAMIC_ROWS`` off) recompile for every bucket after the first, and log each."""
-    _, seen, recompiles, logs, (static_recompiles, static_logs) = runs
-    counts, buckets = {u for u, _ in seen}, {n for _, n in seen}
-    assert len(seen) == 4 and all(n >= u for u, n in seen)
-    assert 2 <= len(buckets) < len(counts)
-    assert recompiles == 0 and static_recompiles == len(buckets) - 1
+def test_one_graph_serves_every_row_count(runs):
+    """With ``DYNAMIC_ROWS`` the row count is symbolic: batches of different teacher
+    counts run one graph, compiled once and logged once, with no padding rows (``N = U``).
+    Control: the static graphs (``DYNAMIC_ROWS`` off) pad to buckets and recompile for
+    every bucket after the first, and log each."""
+    _, seen, recompiles, logs, (static_seen, static_recompiles, static_logs) = runs
+    counts = {u for u, _ in seen}
+    assert len(seen) == 4 and len(counts) >= 3 and all(n == max(u, MIN_ROWS) for u, n in seen)
+    assert recompiles == 0
+    buckets = {n for _, n in static_seen}
+    assert [u for u, _ in static_seen] == [u for u, _ in seen] and all(n >= u for u, n in static_seen)
+    assert 2 <= len(buckets) < len(counts) and static_recompiles == len(buckets) - 1
+    seen = static_seen  # the static run's log lines name its buckets
 
     def said(lines):
         return [line for line in lines if line.startswith("compile-step: compiling")]

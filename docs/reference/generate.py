@@ -105,11 +105,11 @@ keeps the values given). The embedded default (no
 loss, `torch.autograd.grad` of it, the gradient clip and AdamW) as one `torch.compile`
 graph (`eagle3fn/train/onegraph.py`), instead of a few thousand operations issued one by
 one from the host. The row map and the steps' index maths stay on the host; the row
-counts are padded up to one of 8 sizes (multiples of rows x `--pack-length` / 8) with
-zero-weight rows, and the row count is a symbolic size of the graph, so a run compiles
-one graph per batch shape whatever its row counts (`DYNAMIC_ROWS` in `onegraph.py`;
-off, one static graph per row size, at most 8); the log says when it compiles and how
-long it took. The maths is the eager step's (tests/test_compiled_step.py:
+count is a symbolic size of the graph, so a run compiles one graph per batch shape
+whatever its row counts, and computes no padding rows (`DYNAMIC_ROWS` in `onegraph.py`;
+off, the row counts are padded with zero-weight rows up to one of 8 sizes, multiples of
+rows x `--pack-length` / 8, one static graph each); the log says when it compiles and
+how long it took. The maths is the eager step's (tests/test_compiled_step.py:
 equal parameters, optimizer state and metrics in fp64 on the CPU), and the optimizer
 state keeps AdamW's names, so a run may resume with the flag on or off. Its backward
 keeps the fused head's chunk logits instead of recomputing them (more memory than the

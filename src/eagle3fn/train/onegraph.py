@@ -8,7 +8,7 @@ Legend: B batch rows, T buffer length, k TTT length, U teacher positions, n_j ro
 step j, N the bucket the rows are padded to.
 
 What stays on the host: the row map and the steps' index maths (``prepare_batch``),
-and the padding of the row counts up to a bucket (``bucketed``). What is traced: the
+and the padding of every step's rows to one row count ``N`` (``bucketed``). What is traced: the
 teacher table (``batch_teacher``, its vocab chunk bounds passed in), the objective
 (``planned_objective``), ``torch.autograd.grad`` of it (dynamo's
 ``trace_autograd_ops``), the global-norm clip and AdamW on the run's optimizer state,
@@ -25,11 +25,12 @@ as two ``torch.library`` custom ops (``kernels.soft_ce``), opaque to dynamo. The
 learning rate is a 0-d tensor input, so the schedule recompiles nothing.
 
 Bounded shapes: packed rows give fixed ``[B, T]`` inputs; under ``trim="loss"`` the
-teacher positions and every step's rows are padded to ``N = bucket_size(U, B*T)``, one
-of ``ROW_BUCKETS`` sizes, padding rows masked out of every sum (exact). With
-``DYNAMIC_ROWS`` (the default) that row count is a symbolic size of one graph per batch
-shape, so a cold run compiles once; without it, one static graph per bucket, at most
-``ROW_BUCKETS`` per batch shape (the full path, ``trim="none"``, has one either way).
+teacher positions and every step's rows are padded to one count ``N``, padding rows
+masked out of every sum (exact). With ``DYNAMIC_ROWS`` (the default) ``N`` is a symbolic
+size of one graph per batch shape, so a cold run compiles once, and it is the teacher
+count itself (``N = max(U, 2)``: no rows computed for nothing); without it, ``N =
+bucket_size(U, B*T)``, one of ``ROW_BUCKETS`` sizes, one static graph each (the full
+path, ``trim="none"``, has one graph either way).
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ from eagle3fn.teacher import vocab_chunk_bounds
 from eagle3fn.unrolled import batch_teacher, planned_objective, prepare_batch
 
 ROW_BUCKETS = 8
-"""The row counts a compiled step pads to: multiples of ``ceil(B*T / ROW_BUCKETS)``,
-each padding at most ``B*T / ROW_BUCKETS`` rows (at most this many graphs per batch
-shape without ``DYNAMIC_ROWS``)."""
+"""Without ``DYNAMIC_ROWS``, the row counts a compiled step pads to: multiples of
+``ceil(B*T / ROW_BUCKETS)``, each padding at most ``B*T / ROW_BUCKETS`` rows (at most
+this many graphs per batch shape)."""
+
+MIN_ROWS = 2
+"""The smallest row count of a symbolic row dimension: dynamo specializes sizes 0 and 1,
+so a batch with fewer teacher positions gets padding rows up to this."""
 
 DYNAMIC_ROWS = True
 """Whether the compiled step's row count is a symbolic size (one graph for every row
-bucket of a batch shape: a cold run compiles once) or fixed per bucket (one graph each,
-up to ``ROW_BUCKETS``). The teacher's and the head's row loops run in one piece inside the
-graph for this (``teacher._draft_lse``, ``loss.head_step_terms``)."""
+count of a batch shape, rows padded only up to ``MIN_ROWS``: a cold run compiles once; on
+CUDA at 8B shapes one graph served a whole run) or fixed per bucket (rows padded up to
+one of ``ROW_BUCKETS`` sizes, one graph each). The teacher's and the head's row loops run
+in one piece inside the graph for this (``teacher._draft_lse``, ``loss.head_step_terms``)."""
 
 REMAT = False
 """Whether AOTAutograd recomputes the fused head's checkpointed logits in the traced
@@ -71,16 +77,17 @@ def bucket_size(n: int, limit: int, buckets: int = ROW_BUCKETS) -> int:
     return max(n, min(max(1, -(-n // unit)) * unit, limit))
 
 
-def bucketed(rowmap: RowMap, buckets: int = ROW_BUCKETS) -> tuple[RowMap, torch.Tensor]:
+def bucketed(rowmap: RowMap, buckets: int | None = ROW_BUCKETS) -> tuple[RowMap, torch.Tensor]:
     """``rowmap`` (on the host) with the teacher positions and every step's rows and
-    table rows padded to ``N = bucket_size(U, B*T, buckets)``: padding rows read row 0
+    table rows padded to ``N = bucket_size(U, B*T, buckets)`` (``buckets=None``: to ``N =
+    max(U, MIN_ROWS)``, for a symbolic row count): padding rows read row 0
     and table row 0 (any valid index), padding teachers repeat the first teacher
     position (0 without one). Returns ``(padded row map, counts bool [k, N])``, where
     ``counts[j, i]`` says row i of step j is real; masked out, the padding adds exact
     zeros to every sum (``loss.step_terms``'s ``row_mask_N``)."""
     B, T = rowmap.batch_size, rowmap.buffer_len
     U = rowmap.teacher_positions.numel()
-    N = bucket_size(U, B * T, buckets)
+    N = max(U, MIN_ROWS) if buckets is None else bucket_size(U, B * T, buckets)
 
     def pad(x: torch.Tensor, fill: int) -> torch.Tensor:
         return torch.cat([x, x.new_full((N - x.numel(),), fill)])
@@ -142,7 +149,7 @@ def _one_step(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor
 def _to_device(rowmap: RowMap, masks: torch.Tensor, device: torch.device) -> tuple[RowMap, torch.Tensor]:
     """A padded host row map's teacher positions, rows and table rows, and its row
     masks, on ``device`` (one copy each way, then one tensor per field: views of one
-    buffer would sit at offsets that change with the bucket), their row dimension marked
+    buffer would sit at offsets that change with the row count), their row dimension marked
     dynamic when ``DYNAMIC_ROWS``; on the CPU as they are, marked likewise."""
     if device.type != "cpu":
         k = rowmap.ttt_length
@@ -173,7 +180,7 @@ class StepGraph:
         self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
         self.shapes: set[tuple] = set()
         """The ``(B, T, N)`` shapes compiled so far (``N``: the bucket's rows; 0 untrimmed or
-        with ``DYNAMIC_ROWS``)."""
+        with ``DYNAMIC_ROWS``, whose row count is symbolic)."""
 
     def state(self, run) -> list:
         """``(exp_avg, exp_avg_sq, step)`` of each trainable parameter in ``run.opt``,
@@ -200,7 +207,8 @@ class StepGraph:
         config, plan, supervised_flat = prepare_batch(features, rowmap, run.ttt_cfg)
         masks = None
         if config.trim != "none":
-            padded, masks = bucketed(rowmap.host.rowmap if rowmap.host is not None else rowmap)
+            padded, masks = bucketed(rowmap.host.rowmap if rowmap.host is not None else rowmap,
+                                     None if DYNAMIC_ROWS else ROW_BUCKETS)
             rowmap, masks = _to_device(padded, masks, features.aux.device)
             plan = dataclasses.replace(plan, at=list(rowmap.rows))
         B, T = rowmap.batch_size, rowmap.buffer_len
