@@ -57,6 +57,12 @@ def test_resume_continues_the_same_curve(workdir, tmp_path):
     assert [r["step"] for r in rows_a] == list(range(1, 9))
     assert [(r["step"], r["loss"]) for r in rows_a] == [(r["step"], r["loss"]) for r in rows_b]
     assert rows_a[-1]["loss"] < rows_a[0]["loss"]  # it learns something
+    # tokens_per_s is tokens / elapsed_s, both counted by this process: the resumed run's
+    # step 5 counts its own batch only (control: the uninterrupted run counted steps 1-5).
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["elapsed_s"], rel=1e-3) for r in rows_a + rows_b)
+    assert all(a["tokens"] < b["tokens"] and a["elapsed_s"] < b["elapsed_s"] for a, b in zip(rows_a, rows_a[1:]))
+    assert [r["tokens"] for r in rows_b[:4]] == [r["tokens"] for r in rows_a[:4]]
+    assert rows_b[4]["tokens"] == rows_a[4]["tokens"] - rows_a[3]["tokens"] != rows_a[4]["tokens"]
     if __import__("importlib").util.find_spec("matplotlib"):  # the plot extra (test_plot_progress)
         assert (whole / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Negative control: a different seed gives a different curve.

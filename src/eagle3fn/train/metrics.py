@@ -1,7 +1,10 @@
 """Recording metrics: rows appended to ``metrics.jsonl``, optionally TensorBoard scalars.
 
 A row is one JSON object per line. Training rows: ``step``, ``lr``, ``loss``,
-``grad_norm``, per-step lists ``kl``/``acc``/``accept``, ``tau``, ``tokens_per_s``.
+``grad_norm``, per-step lists ``kl``/``acc``/``accept``, ``tau``, ``tokens_per_s`` (=
+``tokens / elapsed_s``: the real tokens trained on by this process so far, all ranks,
+over the seconds since its loop started, warm-up included; a resumed run starts both
+again), ``input_wait_s`` (the step's wait on its batches), ``nonfinite_skipped``.
 Held-out rows add ``"split": "eval"`` and carry ``step``, ``loss``, ``kl``, ``acc``,
 ``accept``, ``tau``. Rows without ``split`` are training rows.
 """
