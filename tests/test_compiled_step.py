@@ -5,6 +5,7 @@ comparison, one graph serves every row count, unpadded (one per row bucket witho
 DYNAMIC_ROWS), the Triton soft cross-entropy and FlexAttention run inside it, and
 unsupported settings are refused."""
 
+import dataclasses
 import json
 
 import pytest
@@ -142,7 +143,8 @@ def test_triton_soft_ce_and_flex_attention_run_inside_the_compiled_step(workdir,
     CPU-backward check lifted) traced into the graph rather than compiled again inside it
     (``compiled.compile_backend`` is None while a graph is being compiled; without that,
     this run fails as the first CUDA run did: "Attempt to trace forbidden callable
-    maybe_mark_dynamic"). No graph break, the eager step's result at fp32 tolerance;
+    maybe_mark_dynamic"), with the backbone trim's per-step layouts. No graph break, the
+    eager step's result at fp32 tolerance;
     control: one weight off by 1e-3 is caught by the same comparison."""
     import torch.nn.attention.flex_attention as flex_module
 
@@ -152,7 +154,9 @@ def test_triton_soft_ce_and_flex_attention_run_inside_the_compiled_step(workdir,
     monkeypatch.setattr(flex_module, "_validate_device", lambda *a, **kw: None)
     launched, real = [], soft_ce.soft_ce_fwd
     monkeypatch.setattr(soft_ce, "soft_ce_fwd", lambda *a, **k: launched.append(1) or real(*a, **k))
-    kw = dict(precision="float32", max_steps=1, ttt=TTTOptions(loss_impl="triton", attention="flex"))
+    # The backbone trim: per-step packed layouts, row counts symbolic (without a cat in place of
+    # F.pad in flex.pack_queries, the traced backward's view of the queries' gradient fails).
+    kw = dict(precision="float32", max_steps=1, trim="backbone", ttt=TTTOptions(loss_impl="triton", attention="flex"))
     train(config(workdir, tmp_path / "eager", **kw), log=lambda s: None)
     eager_launches = len(launched)
     _, _, breaks = _compiled(workdir, tmp_path / "compiled", monkeypatch, **kw)
@@ -168,9 +172,29 @@ def test_triton_soft_ce_and_flex_attention_run_inside_the_compiled_step(workdir,
         torch.testing.assert_close(a["params"][name], b["params"][name] + 1e-3, rtol=1e-5, atol=1e-6)
 
 
+def test_backbone_trim_runs_as_one_graph(runs, workdir, tmp_path, monkeypatch):
+    """``--trim backbone`` (the layer's rows trimmed too) in the one graph: every row list
+    symbolic, so the 4 batches run one graph with 0 recompilations, logged once, and the
+    result is the eager step's (the loss-trimmed eager run: the trims are exact). Control:
+    the same graph reading each step's loss rows one position off is caught."""
+    logs = []
+    _, recompiles, breaks = _compiled(workdir, tmp_path / "bb", monkeypatch, logs=logs, trim="backbone")
+    assert recompiles == 0 and breaks == 0
+    said = [line for line in logs if line.startswith("compile-step: compiling")]
+    assert len(said) == 1 and "backbone trimmed" in said[0]
+    assert _same(runs[0]["eager"], _result(tmp_path / "bb"))
+    real = onegraph._symbolic_backbone
+
+    def off_by_one(rowmap, plan):
+        rowmap, plan = real(rowmap, plan)
+        return rowmap, dataclasses.replace(plan, at=[a.roll(1) for a in plan.at])
+    monkeypatch.setattr(onegraph, "_symbolic_backbone", off_by_one)
+    _compiled(workdir, tmp_path / "wrong", monkeypatch, trim="backbone", max_steps=1)
+    assert not _same(runs[0]["eager1"], _result(tmp_path / "wrong"))
+
+
 def test_unsupported_settings_are_refused_with_the_fix(workdir, tmp_path):
-    cases = [(dict(grad_accum=2), "--grad-accum 1"), (dict(trim="auto"), "--trim loss"),
-             (dict(trim="backbone"), "--trim loss"), (dict(pack=False), "drop --no-pack")]
+    cases = [(dict(grad_accum=2), "--grad-accum 1"), (dict(pack=False), "drop --no-pack")]
     for kw, fix in cases:
         with pytest.raises(ValueError, match=fix) as e:
             config(workdir, tmp_path / "x", compile_step=True, **kw)

@@ -114,8 +114,12 @@ equal parameters, optimizer state and metrics in fp64 on the CPU), and the optim
 state keeps AdamW's names, so a run may resume with the flag on or off. Its backward
 keeps the fused head's chunk logits instead of recomputing them (more memory than the
 eager step; `REMAT` in `onegraph.py` says why). It needs packed
-rows, one process, `--grad-accum 1` and `--trim loss` or `--trim none`, and refuses
-anything else with the fix. Off by default: at 8B offline shapes on one H100 (b2b3cda) it
+rows, one process and `--grad-accum 1`, and refuses anything else with the fix. Every
+`--trim` mode runs in it: under `--trim backbone` (or `auto`'s choice of it, one graph
+per path taken) every step's row lists and packed attention layouts are symbolic too, so
+one graph serves every batch (tests: equal to the eager step in fp64, 0 recompilations
+over the batches; with FlexAttention and the Triton loss at fp32 tolerance; CPU only, not
+yet run on CUDA). Off by default: at 8B offline shapes on one H100 (b2b3cda) it
 compiled **one graph** for the whole run (the row count changing every step, 0
 recompilations) and ran a step in 206.5 ms against the eager step's 222.6 (+12% tokens/s,
 GPU busy 90% against 89%), but its first step compiled for 115.5 s against 49.7 s and its

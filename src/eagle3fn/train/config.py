@@ -260,8 +260,9 @@ class TrainConfig:
     """Run each optimizer step (teacher, k TTT steps, loss, gradients, clip, AdamW) as
     one compiled graph (``train.onegraph``; one per batch shape, whatever the trimmed row
     counts): the same maths as the eager step, a few host operations per step instead of
-    thousands. Needs packed rows, one process, --grad-accum 1 and --trim loss or none;
-    the first step compiles. Off by default: the eager step."""
+    thousands. Needs packed rows, one process and --grad-accum 1; every --trim mode
+    (auto: one graph for each path it takes); the first step compiles. Off by default:
+    the eager step."""
     compile_target: bool = True
     """On CUDA: compile the target's decoder layers with torch.compile to fuse their
     elementwise work (one graph for all of them, one extra compilation at the first
@@ -390,9 +391,6 @@ class TrainConfig:
         if self.grad_accum > 1:
             raise ValueError(f"--compile-step takes one micro-batch per optimizer step: pass --grad-accum 1 "
                              f"(not {self.grad_accum}) with a larger --batch-size, or drop --compile-step")
-        if self.trim_mode not in ("loss", "none"):
-            raise ValueError(f"--compile-step supports --trim loss or none, not {self.trim_mode} (its rows change "
-                             "shape with every batch): pass --trim loss, or drop --compile-step")
         if not self.pack:
             raise ValueError("--compile-step needs packed rows (one shape per batch): drop --no-pack, or drop "
                              "--compile-step")

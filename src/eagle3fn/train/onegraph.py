@@ -30,7 +30,11 @@ masked out of every sum (exact). With ``DYNAMIC_ROWS`` (the default) ``N`` is a 
 size of one graph per batch shape, so a cold run compiles once, and it is the teacher
 count itself (``N = max(U, 2)``: no rows computed for nothing); without it, ``N =
 bucket_size(U, B*T)``, one of ``ROW_BUCKETS`` sizes, one static graph each (the full
-path, ``trim="none"``, has one graph either way).
+path, ``trim="none"``, has one graph either way). Under ``trim="backbone"`` (needs
+``DYNAMIC_ROWS``) nothing is padded: every row list of the plan (the computed rows
+``c_j``, ``within``, ``at``, the loss rows) and the packed attention layouts' query
+windows and block tables are symbolic (``_symbolic_backbone``); ``trim="auto"`` compiles
+one graph for each path it takes.
 """
 
 from __future__ import annotations
@@ -165,6 +169,33 @@ def _to_device(rowmap: RowMap, masks: torch.Tensor, device: torch.device) -> tup
     return rowmap, masks
 
 
+def _symbolic_backbone(rowmap: RowMap, plan) -> tuple[RowMap, object]:
+    """A ``trim="backbone"`` batch's row map and ``StepPlan`` as the one graph takes them:
+    every row list (``n_j``, the computed rows ``c_j``, their positions ``within`` and
+    ``at``) and the flex layouts' query windows and block tables with their row and block
+    counts symbolic (``maybe_mark_dynamic``), each tensor in a storage of its own (views of
+    one buffer sit at offsets that change with the batch), the host twin dropped (the
+    plan is made)."""
+    from eagle3fn.unrolled.blocks import PackedLayout
+
+    own = lambda t: t.clone()  # noqa: E731 -- a few dozen small index tensors a step
+    rowmap = dataclasses.replace(rowmap, host=None, teacher_positions=own(rowmap.teacher_positions),
+                                 rows=tuple(map(own, rowmap.rows)), table_rows=tuple(map(own, rowmap.table_rows)))
+    layouts = None if plan.layouts is None else [
+        PackedLayout(lay.num_queries, own(lay.start), own(lay.last), tuple(map(own, lay.tables)))
+        for lay in plan.layouts]
+    plan = dataclasses.replace(plan, computed=tuple(map(own, plan.computed)),
+                               within=[None] + [own(w) for w in plan.within[1:]], at=[own(a) for a in plan.at],
+                               layouts=layouts)
+    dims = [(t, 0) for t in (rowmap.teacher_positions, *rowmap.rows, *rowmap.table_rows, *plan.computed,
+                             *plan.within[1:], *plan.at)]
+    for lay in layouts or []:
+        dims += [(lay.start, 0), (lay.last, 0)] + [(t, d) for t in lay.tables for d in range(2, t.dim())]
+    for t, d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+    return rowmap, plan
+
+
 class StepGraph:
     """The compiled step of a run (``build`` makes one with ``--compile-step``):
     ``step(run, features, rowmap, lr, clip)`` takes one micro-batch through the
@@ -179,8 +210,8 @@ class StepGraph:
         self.fn = compiler(_one_step, self.backend, dynamic=None if DYNAMIC_ROWS else False)
         self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
         self.shapes: set[tuple] = set()
-        """The ``(B, T, N)`` shapes compiled so far (``N``: the bucket's rows; 0 untrimmed or
-        with ``DYNAMIC_ROWS``, whose row count is symbolic)."""
+        """The ``(B, T, trim, N)`` shapes compiled so far (``N``: the bucket's rows; 0
+        untrimmed or with ``DYNAMIC_ROWS``, whose row counts are symbolic)."""
 
     def state(self, run) -> list:
         """``(exp_avg, exp_avg_sq, step)`` of each trainable parameter in ``run.opt``,
@@ -206,18 +237,25 @@ class StepGraph:
         before and one with the seconds after, so a run that stalls there says why."""
         config, plan, supervised_flat = prepare_batch(features, rowmap, run.ttt_cfg)
         masks = None
-        if config.trim != "none":
+        if config.trim == "backbone":
+            if not DYNAMIC_ROWS:
+                raise ValueError("--compile-step with --trim backbone (or auto's choice of it) needs "
+                                 "onegraph.DYNAMIC_ROWS; pass --trim loss to use the static graphs")
+            rowmap, plan = _symbolic_backbone(rowmap, plan)
+        elif config.trim != "none":
             padded, masks = bucketed(rowmap.host.rowmap if rowmap.host is not None else rowmap,
                                      None if DYNAMIC_ROWS else ROW_BUCKETS)
             rowmap, masks = _to_device(padded, masks, features.aux.device)
             plan = dataclasses.replace(plan, at=list(rowmap.rows))
         B, T = rowmap.batch_size, rowmap.buffer_len
-        shape = (B, T, 0 if masks is None or DYNAMIC_ROWS else masks.shape[1])
+        shape = (B, T, config.trim, 0 if masks is None or DYNAMIC_ROWS else masks.shape[1])
         new = shape not in self.shapes
         if new:
             self.shapes.add(shape)
-            what = ("untrimmed" if masks is None else "for any trimmed row count" if DYNAMIC_ROWS else
-                    f"with {shape[2]} trimmed rows (row bucket {len(self.shapes)}, at most {ROW_BUCKETS} a batch shape)")
+            what = ("untrimmed" if config.trim == "none" else
+                    "with its backbone trimmed, for any row counts" if config.trim == "backbone" else
+                    "for any trimmed row count" if DYNAMIC_ROWS else
+                    f"with {shape[3]} trimmed rows (row bucket {len(self.shapes)}, at most {ROW_BUCKETS} a batch shape)")
             log(f"compile-step: compiling the step for a [{B}, {T}] batch {what}; each compiles once, and a "
                 "resume reuses compile-cache.bin")
             t0 = time.perf_counter()

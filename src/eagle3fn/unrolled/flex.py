@@ -189,4 +189,8 @@ _LSE = _lse_request()
 
 def pack_queries(q_NhD: torch.Tensor, num_packed: int) -> torch.Tensor:
     """``[N, h, d]`` queries as FlexAttention's ``[1, h, Qp, d]`` (zeros past N)."""
-    return F.pad(q_NhD, (0, 0, 0, 0, 0, num_packed - q_NhD.shape[0])).transpose(0, 1)[None].contiguous()
+    # cat, not F.pad: the pad's backward is a constant_pad_nd with negative pads, a view in
+    # eager but a new tensor in a symbolic-size trace, so a compiled step's later view
+    # of it fails at run time (strides disagree); cat's backward is a slice in both.
+    pad = q_NhD.new_zeros((num_packed - q_NhD.shape[0], *q_NhD.shape[1:]))
+    return torch.cat([q_NhD, pad]).transpose(0, 1)[None].contiguous()
