@@ -466,7 +466,8 @@ def test_compiled_step_follows_the_bf16_rule_on_cuda(tmp_path, monkeypatch):
     tiny target's packed rows, the first step's loss, gradient norm and
     per-position KL of the compiled bf16 step (T) lie as close to the eager fp32 step
     (G) as the eager bf16 step (F) does: ``|T - G| <= 1.5 |F - G| + 1e-3 |G|``, and the
-    draft's parameters after four steps likewise. Control: the compiled step with the
+    draft's parameters after four steps likewise, with ``--trim loss`` and with ``--trim
+    backbone``. Control: the compiled step with the
     last real row of every step left out (``onegraph.bucketed``'s masks patched) breaks
     the same rule. (Counting a padding row instead changes nothing here: in packed rows a
     padding row reads row 0, the first token of a conversation, which no step
@@ -489,8 +490,8 @@ def test_compiled_step_follows_the_bf16_rule_on_cuda(tmp_path, monkeypatch):
     def run(name, precision, **kw):
         cfg = TrainConfig(model=str(tmp_path / "model"), data=str(tmp_path / "chat.jsonl"),
                           out_dir=str(tmp_path / name), draft_vocab_size=64, batch_size=2, epochs=1,
-                          ttt_length=3, lr=1e-3, trim="loss", max_length=64, precision=precision,
-                          memory_check=False, save_every=100, device="cuda", **kw)
+                          ttt_length=3, lr=1e-3, max_length=64, precision=precision,
+                          memory_check=False, save_every=100, device="cuda", **{"trim": "loss", **kw})
         train(cfg, log=lambda s: None)
         rows = [json.loads(r) for r in (tmp_path / name / METRICS).read_text().splitlines()]
         params = torch.load(tmp_path / name / CHECKPOINT, weights_only=False)["params"]
@@ -508,6 +509,9 @@ def test_compiled_step_follows_the_bf16_rule_on_cuda(tmp_path, monkeypatch):
         return scalars and weights
 
     assert len(T) == len(G) and follows(T, pT), (G, F, T)
+    # The backbone trim in the one graph (symbolic row lists) against the same references: the trims are exact.
+    B, pB = run("B", "bfloat16", compile_step=True, trim="backbone")
+    assert follows(B, pB), (G, F, B)
     real = onegraph.bucketed
 
     def wrong(rowmap, *a):
