@@ -222,7 +222,7 @@ def _log_step(run: Run, result: StepResult, tokens: int, t0: float, metrics, pro
     elapsed = time.perf_counter() - t0
     row = metrics_row(run.step, result.lr, result.grad_norm, result.objective, counted / elapsed, run.skipped)
     row["input_wait_s"] = round(wait, 6)  # offline: seconds the step waited for its batches
-    # what tokens_per_s divides: a steady step's time is a difference of two rows, warm-up included in neither
+    # what tokens_per_s divides; both include the warm-up, which the difference of two rows cancels
     row["tokens"], row["elapsed_s"] = int(counted), round(elapsed, 6)
     if not result.nonfinite:
         progress.update(run.step, loss=row["loss"], acc0=row["acc"][0], tokens_per_s=row["tokens_per_s"])

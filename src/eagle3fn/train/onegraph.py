@@ -5,7 +5,8 @@ runs a handful of host operations instead of every op of the forward, the backwa
 the optimizer.
 
 Legend: B batch rows, T buffer length, k TTT length, U teacher positions, n_j rows of
-step j, N the bucket the rows are padded to.
+step j, N the one row count every step's rows are padded to (the trimmed loss path),
+c_j the rows step j's layer computes (the backbone trim).
 
 What stays on the host: the row map and the steps' index maths (``prepare_batch``),
 and the padding of every step's rows to one row count ``N`` (``bucketed``). What is traced: the
@@ -49,6 +50,8 @@ from eagle3fn.compiled import compile_backend, compiler, configure_dynamo
 from eagle3fn.shapes import Objective, RowMap
 from eagle3fn.teacher import vocab_chunk_bounds
 from eagle3fn.unrolled import batch_teacher, planned_objective, prepare_batch
+from eagle3fn.unrolled.blocks import PackedLayout
+from eagle3fn.unrolled.layout import StepPlan
 
 ROW_BUCKETS = 8
 """Without ``DYNAMIC_ROWS``, the row counts a compiled step pads to: multiples of
@@ -169,15 +172,13 @@ def _to_device(rowmap: RowMap, masks: torch.Tensor, device: torch.device) -> tup
     return rowmap, masks
 
 
-def _symbolic_backbone(rowmap: RowMap, plan) -> tuple[RowMap, object]:
+def _symbolic_backbone(rowmap: RowMap, plan: StepPlan) -> tuple[RowMap, StepPlan]:
     """A ``trim="backbone"`` batch's row map and ``StepPlan`` as the one graph takes them:
     every row list (``n_j``, the computed rows ``c_j``, their positions ``within`` and
     ``at``) and the flex layouts' query windows and block tables with their row and block
     counts symbolic (``maybe_mark_dynamic``), each tensor in a storage of its own (views of
     one buffer sit at offsets that change with the batch), the host twin dropped (the
     plan is made)."""
-    from eagle3fn.unrolled.blocks import PackedLayout
-
     own = lambda t: t.clone()  # noqa: E731 -- a few dozen small index tensors a step
     rowmap = dataclasses.replace(rowmap, host=None, teacher_positions=own(rowmap.teacher_positions),
                                  rows=tuple(map(own, rowmap.rows)), table_rows=tuple(map(own, rowmap.table_rows)))
