@@ -13,18 +13,18 @@ st packed1-begin
 e3 train --model $M --data sub.jsonl --out-dir packed1 --lr 7e-4 --max-length 1024 --batch-size 32 --epochs 1 --seed 0 --eval-holdout 64 > $REC/packed1.log 2>&1; st packed1-end rc $?
 cp packed1/record.json $REC/record-packed1.json 2>/dev/null; cp packed1/metrics.jsonl $REC/metrics-packed1.jsonl 2>/dev/null
 st ev-packed1-begin; e3 eval --run packed1 $EV --json $REC/cmp-eval-packed1.json > $REC/cmp-eval-packed1.log 2>&1; st ev-packed1-end rc $?
-# 2. the CUDA exactness test of the one-graph step (with --trim backbone, first time on CUDA)
-st gputest-begin
-( cd $R && TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k compiled_step --durations=8 > $REC/test_gpu.log 2>&1 ); st gputest-end rc $?
-# 3. issue 35: offline 8B, the default trim (auto) eager and as one graph, against SpecForge steady
+# 2. issue 35: offline 8B, the default trim (auto) eager and as one graph, against SpecForge steady
 st 8b-begin
 ( cd $R && TORCH_LOGS=graph_breaks,recompiles timeout 900 python3 benchmarks/train.py --shape llama-3.1-8b --loops offline --modes auto --packs True --variants compile-step --specforge-shapes steady --steps 26 --warmup-steps 8 --batch-size 4 --max-length 2048 --out $HOME/r8b/train-8b-offline-auto-compile-vs-sf.json > $HOME/r8b/log.txt 2>&1 ); st 8b-end rc $?
 rm -rf /tmp/eagle3fn-bench-llama-3.1-8b
-# 4. where SmolLM2's online step goes (random weights, its architecture), SpecForge steady beside
+# 3. where SmolLM2's online step goes (random weights, its architecture), SpecForge steady beside
 st s135-begin
 ( cd $R && timeout 500 python3 benchmarks/train.py --shape smollm2-135m --loops online --modes auto --packs False True --specforge-shapes steady --steps 40 --warmup-steps 8 --batch-size 32 --max-length 1024 --profile-step 20 --out $HOME/r8b/train-smollm2-online-profile.json > $HOME/r8b/log135.txt 2>&1 ); st s135-end rc $?
 rm -rf /tmp/eagle3fn-bench-smollm2-135m
-# 5. issue 35: online 8B, prompt-heavy, against SpecForge steady
+# 5. the CUDA exactness test of the one-graph step (with --trim backbone, first time on CUDA)
+st gputest-begin
+( cd $R && TRITON_INTERPRET=0 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k compiled_step --durations=8 > $REC/test_gpu.log 2>&1 ); st gputest-end rc $?
+# 6. issue 35: online 8B, prompt-heavy, against SpecForge steady
 st 8bon-begin
 ( cd $R && TORCH_LOGS=recompiles timeout 900 python3 benchmarks/train.py --shape llama-3.1-8b --loops online --modes auto --packs True --specforge-shapes steady --steps 26 --warmup-steps 8 --batch-size 4 --max-length 2048 --out $HOME/r8b/train-8b-online-prompt-heavy.json > $HOME/r8b/logon.txt 2>&1 ); st 8bon-end rc $?
 st done
