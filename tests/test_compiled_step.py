@@ -7,6 +7,7 @@ unsupported settings are refused."""
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,6 +192,25 @@ def test_backbone_trim_runs_as_one_graph(runs, workdir, tmp_path, monkeypatch):
     monkeypatch.setattr(onegraph, "_symbolic_backbone", off_by_one)
     _compiled(workdir, tmp_path / "wrong", monkeypatch, trim="backbone", max_steps=1)
     assert not _same(runs[0]["eager1"], _result(tmp_path / "wrong"))
+
+
+def test_the_step_compiles_without_mix_order_reductions(monkeypatch):
+    """The compiled step turns inductor's mix-order reductions off (they failed on CUDA
+    with the backbone trim's per-step row counts); the other compiles keep them."""
+    import eagle3fn.compiled as compiled
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    monkeypatch.setattr(onegraph, "vocab_chunk_bounds", lambda *a: None)
+    run = SimpleNamespace(device=torch.device("cuda"), t2d=None, ttt_cfg=SimpleNamespace(teacher_chunk_size=0))
+    onegraph.StepGraph(run)
+    step = seen[-1]["options"]
+    assert step["triton.mix_order_reduction"] is False
+    assert all(step[k] == v for k, v in compiled.INDUCTOR_OPTIONS.items())
+    # Control: the eager path's compiles (same helper, no options) keep inductor's default.
+    compiled.compiler(lambda x: x, "inductor")
+    assert "triton.mix_order_reduction" not in seen[-1]["options"]
+    compiled.compiler(lambda x: x, "aot_eager", options={"triton.mix_order_reduction": False})
+    assert seen[-1]["options"] is None
 
 
 def test_unsupported_settings_are_refused_with_the_fix(workdir, tmp_path):

@@ -42,13 +42,14 @@ INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
 """The inductor options of every eagle3fn compile (module docstring)."""
 
 
-def compiler(fn, backend: str, dynamic: bool | None = True):
+def compiler(fn, backend: str, dynamic: bool | None = True, options: dict | None = None):
     """``torch.compile(fn, dynamic=dynamic, backend=backend)``, with ``INDUCTOR_OPTIONS``
-    when the backend is inductor. ``dynamic=None``: only the sizes marked dynamic are
-    symbolic (the compiled training step's row counts, ``train.onegraph``); ``False``: one
-    static graph per shape (that step without ``onegraph.DYNAMIC_ROWS``)."""
-    options = dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
-    return torch.compile(fn, dynamic=dynamic, backend=backend, options=options)
+    updated by ``options`` when the backend is inductor (other backends take none).
+    ``dynamic=None``: only the sizes marked dynamic are symbolic (the compiled training
+    step's row counts, ``train.onegraph``); ``False``: one static graph per shape (that
+    step without ``onegraph.DYNAMIC_ROWS``)."""
+    merged = {**INDUCTOR_OPTIONS, **(options or {})} if backend == "inductor" else None
+    return torch.compile(fn, dynamic=dynamic, backend=backend, options=merged)
 
 
 def compile_backend(device: torch.device) -> str | None:

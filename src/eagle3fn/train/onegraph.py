@@ -62,6 +62,15 @@ MIN_ROWS = 2
 """The smallest row count of a symbolic row dimension: dynamo specializes sizes 0 and 1,
 so a batch with fewer teacher positions gets padding rows up to this."""
 
+STEP_INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+"""Inductor options of the compiled step, over ``compiled.INDUCTOR_OPTIONS``: no
+mix-order reductions (the fused row and column reductions of an RMSNorm's backward). In
+the backbone-trimmed step the TTT steps' RMSNorm backwards reduce over different row
+counts (``c_j``), and inductor's check of a fusion candidate there fails on CUDA (torch
+2.11: an ``AssertionError`` in ``MixOrderReduction.get_numel_rnumel`` that two fused
+reductions have one size; docs/benchmarks.md, the one-graph step); the eager path's
+separately compiled chains keep them."""
+
 DYNAMIC_ROWS = True
 """Whether the compiled step's row count is a symbolic size (one graph for every row
 count of a batch shape, rows padded only up to ``MIN_ROWS``: a cold run compiles once; on
@@ -208,7 +217,8 @@ class StepGraph:
     def __init__(self, run, backend: str | None = None) -> None:
         self.backend = backend or compile_backend(run.device) or "inductor"
         # dynamic=None: the row dimensions ``_to_device`` marks are symbolic, every other size static.
-        self.fn = compiler(_one_step, self.backend, dynamic=None if DYNAMIC_ROWS else False)
+        self.fn = compiler(_one_step, self.backend, dynamic=None if DYNAMIC_ROWS else False,
+                           options=STEP_INDUCTOR_OPTIONS)
         self.bounds = vocab_chunk_bounds(run.t2d, run.ttt_cfg.teacher_chunk_size)
         self.shapes: set[tuple] = set()
         """The ``(B, T, trim, N)`` shapes compiled so far (``N``: the bucket's rows; 0
