@@ -19,7 +19,7 @@ st 8b-begin
 rm -rf /tmp/eagle3fn-bench-llama-3.1-8b
 # 3. where SmolLM2's online step goes (random weights, its architecture), SpecForge steady beside
 st s135-begin
-( cd $R && timeout 500 python3 benchmarks/train.py --shape smollm2-135m --loops online --modes auto --packs False True --specforge-shapes steady --steps 40 --warmup-steps 8 --batch-size 32 --max-length 1024 --profile-step 20 --out $HOME/r8b/train-smollm2-online-profile.json > $HOME/r8b/log135.txt 2>&1 ); st s135-end rc $?
+( cd $R && timeout 500 python3 benchmarks/train.py --shape smollm2-135m --loops online --modes auto --packs False True --specforge-shapes steady --steps 40 --warmup-steps 14 --batch-size 32 --max-length 1024 --first-steps 12 --profile-step 13 --out $HOME/r8b/train-smollm2-online-profile.json > $HOME/r8b/log135.txt 2>&1 ); st s135-end rc $?
 rm -rf /tmp/eagle3fn-bench-smollm2-135m
 # 5. the CUDA exactness test of the one-graph step (with --trim backbone, first time on CUDA)
 st gputest-begin
