@@ -68,7 +68,7 @@ mix-order reductions (the fused row and column reductions of an RMSNorm's backwa
 the backbone-trimmed step the TTT steps' RMSNorm backwards reduce over different row
 counts (``c_j``), and inductor's check of a fusion candidate there fails on CUDA (torch
 2.11: an ``AssertionError`` in ``MixOrderReduction.get_numel_rnumel`` that two fused
-reductions have one size; docs/benchmarks.md, the one-graph step); the eager path's
+reductions have one size); the eager path's
 separately compiled chains keep them."""
 
 DYNAMIC_ROWS = True
