@@ -68,8 +68,11 @@ mix-order reductions (the fused row and column reductions of an RMSNorm's backwa
 the backbone-trimmed step the TTT steps' RMSNorm backwards reduce over different row
 counts (``c_j``), and inductor's check of a fusion candidate there fails on CUDA (torch
 2.11: an ``AssertionError`` in ``MixOrderReduction.get_numel_rnumel`` that two fused
-reductions have one size); the eager path's
-separately compiled chains keep them."""
+reductions have one size). Off, the one graph also stays clear of that fusion's known
+silent-gradient bug in torch 2.10-2.13 (pytorch/pytorch#193061: a fused reduction's
+output that is a view of a shared gradient buffer is never written). The eager path's
+separately compiled chains keep them; the GPU exactness tests (tests/test_gpu.py) check
+their gradients against fp32 references."""
 
 DYNAMIC_ROWS = True
 """Whether the compiled step's row count is a symbolic size (one graph for every row
