@@ -13,6 +13,7 @@ import pytest
 import torch
 from recorders import save_tiny_target, write_tiny_chat
 
+import eagle3fn.compiled as compiled
 import eagle3fn.train.loop as loop
 import eagle3fn.train.onegraph as onegraph
 from eagle3fn.compiled import RecompileCounter, compile_on_cpu
@@ -197,7 +198,6 @@ def test_backbone_trim_runs_as_one_graph(runs, workdir, tmp_path, monkeypatch):
 def test_the_step_compiles_without_mix_order_reductions(monkeypatch):
     """The compiled step turns inductor's mix-order reductions off (they failed on CUDA
     with the backbone trim's per-step row counts); the other compiles keep them."""
-    import eagle3fn.compiled as compiled
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
     monkeypatch.setattr(onegraph, "vocab_chunk_bounds", lambda *a: None)
