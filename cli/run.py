@@ -309,7 +309,22 @@ def _eval_one(args: EvalArgs, target, tok, run: dict, params: dict, prompts: lis
                   + (result["identity"] if "identity" in result else
                      f"{result['same_as_target']}/{len(prompts)} outputs identical to the target's own"))
     print(speed)
+    if (line := linear_line(result["cpu_linear"])) is not None:
+        print(line)
     return result
+
+
+def linear_line(record: dict) -> str | None:
+    """One line when ``decoding.cpu_linear.few_rows`` switched the target's linear layers
+    (``record``: its ``choice_record``), else None."""
+    from eagle3fn.decoding.cpu_linear import MAX_ROWS
+
+    if record.get("form") != "w_xt":
+        return None
+    gains = ", ".join(f"{r} rows {lin / wx:.1f}x" for r, lin, wx in
+                      zip(record["rows"], record["linear_s"], record["w_xt_s"]))
+    return (f"  linear layers of 2-{MAX_ROWS} rows ran as W @ X^T on this CPU, on both sides (timed on "
+            f"the head weight against F.linear: {gains} faster; eagle3fn.decoding.cpu_linear)")
 
 
 def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: list, label: str) -> dict:
@@ -345,6 +360,8 @@ def _eval_sweep(args: EvalArgs, target, tok, run: dict, params: dict, prompts: l
               f"{row['target_tokens_per_s']:>13.1f} {row['speedup']:>7.2f}x{mark}")
     if args.temperature == 0:
         print("  " + identity_summary(result["rows"]))
+    if (line := linear_line(result["cpu_linear"])) is not None:
+        print(line)
     per_step = ", ".join(f"{a:.2f}" for a in acc)
     print(f"  training-time per-step accuracy on the target's own greedy texts: [{per_step}] "
           f"(implied = 1 + sum_j prod_(i<=j) acc_i)")

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from eagle3fn.align import supervised_mask
+from eagle3fn.decoding.cpu_linear import choice_record, few_rows
 from eagle3fn.decoding.pool import GraphPool
 from eagle3fn.draft import DraftConfig
 from eagle3fn.evaluation.baseline import target_generate
@@ -102,7 +103,8 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
         (prompts whose two outputs are identical). Greedy: ``identity`` (one line) and
         ``near_ties``; every difference must be an argmax near-tie of the target
         (``evaluation.check_identity``), else ``OutputMismatch`` is raised. ``impl``:
-        the implementation that ran (both sides).
+        the implementation that ran (both sides). ``cpu_linear``: both sides' linear
+        layers (``decoding.cpu_linear.few_rows``' choice).
     """
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
@@ -119,20 +121,20 @@ def evaluate(target: TargetModel, draft_params: dict[str, torch.Tensor], draft_c
     def alone(batch):
         return target_generate(target, tokenizer, batch, cfg, impl=impl, pool=pools[1])
 
-    # Each side keeps its recorded CUDA graphs across batches, as a server (one pool each).
-    pools = (GraphPool(), GraphPool())
+    pools = (GraphPool(), GraphPool())  # each side keeps its recorded CUDA graphs across batches
     sides = (spec, alone) if baseline else (spec,)
-    outputs, seconds = interleaved(sides, batches, device)
+    with few_rows(target.model, batch_size * (cfg.num_draft_tokens + 1)) as linear_form:
+        outputs, seconds = interleaved(sides, batches, device)
     for pool in pools:
         pool.clear()
-    results = outputs[0]
-    rounds = [n for r in results for n in r.accepted_per_round]
+    results, rounds = outputs[0], [n for r in outputs[0] for n in r.accepted_per_round]
     length, per_position = acceptance_stats(rounds, cfg.num_draft_tokens)
     tokens = sum(len(r.tokens) for r in results)
     out = {"acceptance_length": length, "per_position_acceptance": per_position,
            "n_prompts": len(prompts), "tokens": tokens, "rounds": len(rounds),
            "target_forwards": sum(r.target_forwards for r in results),
-           "seconds": seconds[0], "tokens_per_s": tokens / seconds[0], "impl": impl}
+           "seconds": seconds[0], "tokens_per_s": tokens / seconds[0], "impl": impl,
+           "cpu_linear": choice_record(linear_form)}
     if baseline:
         alone_out, target_seconds = outputs[1], seconds[1]
         target_tps = sum(map(len, alone_out)) / target_seconds

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from eagle3fn.decoding.cpu_linear import choice_record, few_rows
 from eagle3fn.decoding.pool import GraphPool
 from eagle3fn.evaluation.baseline import target_generate
 from eagle3fn.evaluation.config import SpecConfig
@@ -59,54 +60,57 @@ def sweep(target, draft_params: dict[str, torch.Tensor], draft_cfg, d2t: torch.T
         on_row: called with the rows so far after each configuration (the CLI writes its
             JSON there, so a sweep stopped by a time limit keeps what it measured).
 
-    Returns ``{"rows": [...], "best": {b: row}}``; each row has ``batch_size``, ``k``,
-    ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
+    Returns ``{"rows": [...], "best": {b: row}, "cpu_linear": ...}``; each row has
+    ``batch_size``, ``k``, ``acceptance_length``, ``per_position_acceptance`` (k floats), ``rounds``,
     ``tokens``, ``seconds``, ``tokens_per_s``, ``target_seconds`` and ``target_tokens_per_s``
     (the target alone, timed beside this k), ``speedup``, ``impl`` and
-    (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k.
+    (greedy) ``identical`` / ``near_ties``; ``best[b]`` is the row of the fastest k;
+    ``cpu_linear``: what ``decoding.cpu_linear.few_rows`` measured and chose for both
+    sides' linear layers over the whole grid (on a CPU; ``form`` ``"linear"`` elsewhere).
     """
     device = target.lm_head.weight.device
     impl = default_impl(target, draft_params) if impl is None else impl
     prompts = [p.reshape(-1).to(device) for p in prompts]
     rows, best = [], {}
     spec_pool, alone_pool = GraphPool(), GraphPool()  # each side records once per shape, as a server
-    for b in batch_sizes:
-        batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-        base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed)
-        alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl,  # noqa: E731
-                                                  pool=alone_pool)
-        warm = widest(batches)
-        if warmup:
-            alone_run(warm)
-        for k in ks:
-            cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
-                             temperature=temperature, seed=seed)
-            run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
-                                         impl=impl, pool=spec_pool)
+    with few_rows(target.model, max(batch_sizes) * (max(ks) + 1)) as linear_form:
+        for b in batch_sizes:
+            batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+            base_cfg = SpecConfig(num_draft_tokens=1, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed)
+            alone_run = lambda batch: target_generate(target, tokenizer, batch, base_cfg, impl=impl,  # noqa: E731
+                                                      pool=alone_pool)
+            warm = widest(batches)
             if warmup:
-                run(warm)
-            (results, alone), (seconds, alone_s) = interleaved((run, alone_run), batches, device, warmup=False)
-            spec_pool.clear()
-            alone_tps = sum(map(len, alone)) / alone_s
-            counts = [n for r in results for n in r.accepted_per_round]
-            length, per_position = acceptance_stats(counts, k)
-            tokens = sum(len(r.tokens) for r in results)
-            row = {"batch_size": b, "k": k, "acceptance_length": length,
-                   "per_position_acceptance": per_position, "rounds": len(counts), "tokens": tokens,
-                   "seconds": seconds, "tokens_per_s": tokens / seconds,
-                   "target_seconds": alone_s, "target_tokens_per_s": alone_tps,
-                   "speedup": tokens / seconds / alone_tps, "impl": impl}
-            if temperature == 0:
-                report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
-                row.update(identical=report.identical, near_ties=len(report.near_ties),
-                           identity=report.line())
-            rows.append(row)
-            log(f"  batch {b:>3} k {k}: acceptance length {length:.2f}, {row['tokens_per_s']:.1f} tokens/s, "
-                f"target alone {alone_tps:.1f}: speedup {row['speedup']:.2f}x"
-                + (f"; {row['identity']}" if "identity" in row else ""))
-            if on_row is not None:
-                on_row(rows)
-        alone_pool.clear()  # no later configuration reuses these shapes: their memory goes now
-        best[b] = max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
-    return {"rows": rows, "best": best}
+                alone_run(warm)
+            for k in ks:
+                cfg = SpecConfig(num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed)
+                run = lambda batch: generate(target, tokenizer, draft_params, draft_cfg, d2t, batch, cfg,  # noqa: E731
+                                             impl=impl, pool=spec_pool)
+                if warmup:
+                    run(warm)
+                (results, alone), (seconds, alone_s) = interleaved((run, alone_run), batches, device, warmup=False)
+                spec_pool.clear()
+                alone_tps = sum(map(len, alone)) / alone_s
+                counts = [n for r in results for n in r.accepted_per_round]
+                length, per_position = acceptance_stats(counts, k)
+                tokens = sum(len(r.tokens) for r in results)
+                row = {"batch_size": b, "k": k, "acceptance_length": length,
+                       "per_position_acceptance": per_position, "rounds": len(counts), "tokens": tokens,
+                       "seconds": seconds, "tokens_per_s": tokens / seconds,
+                       "target_seconds": alone_s, "target_tokens_per_s": alone_tps,
+                       "speedup": tokens / seconds / alone_tps, "impl": impl}
+                if temperature == 0:
+                    report = check_identity(target.model, prompts, alone, [r.tokens for r in results])
+                    row.update(identical=report.identical, near_ties=len(report.near_ties),
+                               identity=report.line())
+                rows.append(row)
+                log(f"  batch {b:>3} k {k}: acceptance length {length:.2f}, {row['tokens_per_s']:.1f} tokens/s, "
+                    f"target alone {alone_tps:.1f}: speedup {row['speedup']:.2f}x"
+                    + (f"; {row['identity']}" if "identity" in row else ""))
+                if on_row is not None:
+                    on_row(rows)
+            alone_pool.clear()  # no later configuration reuses these shapes: their memory goes now
+            best[b] = max((r for r in rows if r["batch_size"] == b), key=lambda r: r["speedup"])
+    return {"rows": rows, "best": best, "cpu_linear": choice_record(linear_form)}
