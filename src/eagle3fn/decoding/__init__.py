@@ -30,6 +30,7 @@ Modules, in the order data flows:
     graphs        ``Graphed``: a step recorded once as a CUDA graph, replayed
     pool          ``GraphPool``: recorded states kept across calls (record once per shape)
     generator     ``generate``: slots, refill, stop rules, counters
+    cpu_linear    ``few_rows``: on a CPU, linear layers of 2-64 rows as ``W @ X^T`` where timed faster
 """
 
 from eagle3fn.decoding.forward import cached_forward, prefill
